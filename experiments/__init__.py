@@ -1,0 +1,1 @@
+"""Experiment harnesses for ssfusion_lightning (not part of the installed package)."""

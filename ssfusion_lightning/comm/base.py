@@ -1,0 +1,69 @@
+"""Communicators: how one encoded buffer is summed across ranks on the strategy's channels."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ssfusion_lightning.comm.channels import ChannelSet, result
+from ssfusion_lightning.comm.traffic import Traffic
+from ssfusion_lightning.engine.plan import Buffer
+from ssfusion_lightning.fusion.base import Encoded
+from ssfusion_lightning.registry import Registry
+
+
+@dataclass
+class Reduced:
+    """A buffer's result: the summed dense part and the summed sparse part (dense, sparse-part sized)."""
+
+    dense: Tensor | None
+    sparse: Tensor | None
+    traffic: Traffic
+    #: sparse-part positions that were applied globally; None means everything sent was applied
+    applied: Tensor | None = None
+
+
+class PendingReduction:
+    """Futures of one buffer's jobs; ``wait`` gathers them into a Reduced."""
+
+    def __init__(self, dense: Future | None, sparse: Future | None, device: torch.device) -> None:
+        self._dense = dense
+        self._sparse = sparse
+        self._device = device
+
+    def wait(self, timeout: float | None = None) -> Reduced:
+        traffic = Traffic()
+        dense = sparse = applied = None
+        if self._dense is not None:
+            dense, part = result(self._dense, self._device, timeout)
+            traffic += part
+        if self._sparse is not None:
+            sparse, part, applied = result(self._sparse, self._device, timeout)
+            traffic += part
+        return Reduced(dense, sparse, traffic, applied)
+
+
+class Communicator(ABC):
+    name: ClassVar[str] = ""
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise TypeError(f"communicator {self.name!r} got unknown options {sorted(options)}")
+
+    @abstractmethod
+    def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
+        """Submit the buffer's collectives (in a fixed order) and return without waiting."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+COMMUNICATORS: Registry[Communicator] = Registry("communicator")

@@ -1,0 +1,82 @@
+"""Communication channels: one FIFO worker thread per strategy-owned process group.
+
+Every collective on a group is issued by that group's single worker, in the order the engine
+submitted it. The engine submits in plan order from one thread, so all ranks issue the same
+collectives in the same order on every group, whatever order their backward hooks fire in.
+Different groups run concurrently (dense and sparse parts, successive buffers).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class _Completed:
+    value: Any
+    event: torch.cuda.Event | None
+
+
+class Channel:
+    """Runs blocking collectives on one process group, in submission order, off the calling thread."""
+
+    def __init__(self, group: dist.ProcessGroup | None, index: int, device: torch.device) -> None:
+        self.group = group
+        self.index = index
+        self.device = device
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ssfusion-comm{index}")
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args, group)`` on this channel; on CUDA it waits for the submitting stream first."""
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        return self._executor.submit(self._run, fn, args, ready)
+
+    def _run(self, fn: Callable[..., Any], args: Sequence[Any], ready: torch.cuda.Event | None) -> _Completed:
+        if self._stream is None:
+            return _Completed(fn(*args, self.group), None)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            value = fn(*args, self.group)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return _Completed(value, done)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def result(future: Future, device: torch.device, timeout: float | None = None) -> Any:
+    """Wait for a channel job; on CUDA, order the current stream after the job's stream."""
+    completed: _Completed = future.result(timeout=timeout)
+    if completed.event is not None:
+        torch.cuda.current_stream(device).wait_event(completed.event)
+    return completed.value
+
+
+class ChannelSet:
+    """The strategy's K process groups, each with its channel; buffers rotate over them."""
+
+    def __init__(self, groups: Sequence[dist.ProcessGroup | None], device: torch.device) -> None:
+        if not groups:
+            raise ValueError("a ChannelSet needs at least one process group")
+        self.channels = [Channel(group, i, device) for i, group in enumerate(groups)]
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.channels)
+
+    def __getitem__(self, index: int) -> Channel:
+        return self.channels[index % len(self.channels)]
+
+    def shutdown(self) -> None:
+        for channel in self.channels:
+            channel.shutdown()

@@ -1,0 +1,85 @@
+"""The dense + sparse communicators: dense parts are all-reduced, sparse parts summed by a scheme."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ssfusion_lightning.comm.base import COMMUNICATORS, Communicator, PendingReduction
+from ssfusion_lightning.comm.channels import ChannelSet
+from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype
+from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
+from ssfusion_lightning.engine.plan import Buffer
+from ssfusion_lightning.fusion.base import Encoded
+
+
+def allreduce_dense(tensor: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, Traffic]:
+    dist.all_reduce(tensor, group=group)
+    nbytes = ring_allreduce_bytes(tensor.numel(), tensor.element_size(), dist.get_world_size(group))
+    traffic = Traffic()
+    traffic.add(nbytes, nbytes)
+    return tensor, traffic
+
+
+def allreduce_shared_positions(values: Tensor, indices: Tensor, numel: int, group: dist.ProcessGroup | None):
+    """Every rank picked the same positions (randomk): all-reduce the values alone, then scatter."""
+    summed, traffic = allreduce_dense(values.clone(), group)
+    total = torch.zeros(numel, dtype=accumulation_dtype(values.dtype), device=values.device)
+    total.index_add_(0, indices, summed.to(total.dtype))
+    return total.to(values.dtype), traffic, None
+
+
+class SchemeCommunicator(Communicator):
+    """Dense part: ring allreduce. Sparse part: ``scheme``. With ``split`` the two parts go to
+    different channels so they run concurrently (SSFusion-I / ADTopk-H)."""
+
+    scheme: str = "allgather"
+    split: bool = True
+
+    def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
+        dense = sparse = None
+        if encoded.dense is not None:
+            dense = channels[buffer.channel].submit(allreduce_dense, encoded.dense)
+        if encoded.values is not None:
+            channel = channels[buffer.channel + (1 if self.split and dense is not None else 0)]
+            if encoded.shared_indices:
+                sparse = channel.submit(allreduce_shared_positions, encoded.values, encoded.indices, buffer.sparse_numel)
+            else:
+                sparse = channel.submit(self._sparse_job, encoded.values, encoded.indices, buffer.sparse_numel, encoded.equal_counts)
+        return PendingReduction(dense, sparse, channels.device)
+
+    def _sparse_job(self, values: Tensor, indices: Tensor, numel: int, equal_counts: bool, group) -> tuple[Tensor, Traffic, Any]:
+        traffic = Traffic()
+        total = SPARSE_SCHEMES.get(self.scheme)(values, indices, numel, group, traffic, equal_counts)
+        return total, traffic, None
+
+
+@COMMUNICATORS.register("allreduce")
+class AllreduceCommunicator(SchemeCommunicator):
+    """Everything as dense allreduce: sparse selections are scattered into a dense part first."""
+
+    name = "allreduce"
+    split = False
+
+    def _sparse_job(self, values: Tensor, indices: Tensor, numel: int, equal_counts: bool, group):
+        dense = torch.zeros(numel, dtype=values.dtype, device=values.device)
+        dense[indices] = values
+        total, traffic = allreduce_dense(dense, group)
+        return total, traffic, None
+
+
+@COMMUNICATORS.register("allgather")
+class AllgatherCommunicator(SchemeCommunicator):
+    name = "allgather"
+    scheme = "allgather"
+    split = False
+
+
+@COMMUNICATORS.register("hybrid")
+class HybridCommunicator(SchemeCommunicator):
+    name = "hybrid"
+    scheme = "allgather"
+    split = True

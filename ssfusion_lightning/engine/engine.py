@@ -1,0 +1,292 @@
+"""The fusion engine: plan -> hook -> buffer -> sparsify -> communicate -> write gradients.
+
+Free of Lightning: the strategy creates it with the model's parameters and its own channels,
+calls ``finish`` after every backward and toggles ``sync_enabled`` for gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ssfusion_lightning.comm import ChannelSet, Communicator, PendingReduction, Reduced
+from ssfusion_lightning.comm.channels import result
+from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
+from ssfusion_lightning.engine.metrics import StepMetrics
+from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan
+from ssfusion_lightning.fusion import CompressContext, Encoded, FusionPolicy, PlanContext
+from ssfusion_lightning.sparsifiers import Memory, Sparsifier
+
+
+@dataclass
+class EngineConfig:
+    buffer_bytes: float
+    warmup_steps: int = 0
+    find_unused_parameters: bool = False
+
+
+def dense_version(plan: Plan) -> Plan:
+    """The same buffers with every tensor sent dense (warm-up steps)."""
+    buffers = []
+    for buffer in plan.buffers:
+        offset, slots = 0, []
+        for slot in buffer.slots:
+            slots.append(replace(slot, sparse=False, k=slot.numel, offset=offset))
+            offset += slot.numel
+        buffers.append(replace(buffer, slots=tuple(slots)))
+    return Plan(tuple(buffers))
+
+
+def reversed_buffers(plan: Plan, num_channels: int) -> Plan:
+    """Launch order reversed (DDP's first-round guess: gradients of late layers are ready first)."""
+    buffers = tuple(
+        replace(buffer, index=i, channel=i % num_channels) for i, buffer in enumerate(reversed(plan.buffers))
+    )
+    return Plan(buffers, plan.notes)
+
+
+class FusionEngine:
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        sparsifier: Sparsifier,
+        memory: Memory,
+        policy: FusionPolicy,
+        communicator: Communicator,
+        channels: ChannelSet,
+        config: EngineConfig,
+    ) -> None:
+        self.params = [p for _, p in named_params]
+        self.names = [n for n, _ in named_params]
+        self.sparsifier = sparsifier
+        self.memory = memory
+        self.policy = policy
+        self.communicator = communicator
+        self.channels = channels
+        self.config = config
+        self.world_size = dist.get_world_size(channels[0].group) if dist.is_initialized() else 1
+        self.step = 0
+        self.sync_enabled = True
+        self.metrics = StepMetrics()
+        self._hooks: list[Any] = []
+        self._dense_storage: dict[tuple[int, int], Tensor] = {}
+        # Like DDP: the first round runs in registration order, then the plan is rebuilt once
+        # from the gradient-ready order rank 0 observed (DDP skips this with find_unused_parameters).
+        self._rebuild_from_ready_order = not config.find_unused_parameters
+        self.set_plan(reversed_buffers(self._build_plan(list(range(len(self.params)))), len(channels)))
+
+    # ---------------------------------------------------------------- plan
+    def specs(self, order: Sequence[int]) -> list[tuple[int, ParamSpec]]:
+        return [(i, ParamSpec(self.names[i], tuple(self.params[i].shape), self.params[i].dtype)) for i in order]
+
+    def _build_plan(self, order: Sequence[int], costs: Any = None) -> Plan:
+        ctx = PlanContext(self.sparsifier, self.config.buffer_bytes, len(self.channels), self.world_size, costs)
+        return self.policy.plan(self.specs(order), ctx)
+
+    def set_plan(self, plan: Plan) -> None:
+        self.plan = plan
+        self._dense_plan = dense_version(plan)
+        self._dense_storage.clear()
+        self._reset_round()
+
+    @property
+    def active_plan(self) -> Plan:
+        return self._dense_plan if self.step < self.config.warmup_steps else self.plan
+
+    # ---------------------------------------------------------------- hooks
+    def attach(self) -> None:
+        for position, param in enumerate(self.params):
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(position)))
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _make_hook(self, position: int):
+        def hook(param: Tensor) -> None:
+            if self.sync_enabled:
+                self._mark_ready(position)
+
+        return hook
+
+    def _reset_round(self) -> None:
+        plan = self.active_plan
+        self._buffer_of = plan.buffer_of()
+        self._missing = [len(b.slots) for b in plan.buffers]
+        self._used = [False] * len(self.params)
+        self._ready_order: list[int] = []
+        self._next = 0
+        self._pending: list[tuple[Buffer, PendingReduction, Encoded]] = []
+
+    def _mark_ready(self, position: int) -> None:
+        if self._used[position]:
+            return
+        self._used[position] = True
+        self._ready_order.append(position)
+        self._missing[self._buffer_of[position]] -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        buffers = self.active_plan.buffers
+        while self._next < len(buffers) and self._missing[self._next] == 0:
+            self._launch(buffers[self._next])
+            self._next += 1
+
+    # ---------------------------------------------------------------- buffer -> sparsify -> communicate
+    def _dense_out(self, buffer: Buffer) -> Tensor | None:
+        if buffer.dense_numel == 0:
+            return None
+        key = (buffer.index, buffer.dense_numel)
+        out = self._dense_storage.get(key)
+        if out is None:
+            first = self.params[buffer.slots[0].param]
+            out = torch.empty(buffer.dense_numel, dtype=first.dtype, device=first.device)
+            self._dense_storage[key] = out
+        return out
+
+    def _launch(self, buffer: Buffer) -> None:
+        grads = []
+        for slot in buffer.slots:
+            param = self.params[slot.param]
+            grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
+        started = time.perf_counter()
+        ctx = CompressContext(self.sparsifier, self.memory, 1.0 / self.world_size)
+        encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), ctx)
+        self.metrics.compress_seconds += time.perf_counter() - started
+        pending = self.communicator.launch(encoded, buffer, self.channels)
+        self._pending.append((buffer, pending, encoded))
+        self.metrics.buffers += 1
+        self.metrics.dense_tensors += len(buffer.dense_slots)
+        self.metrics.sparse_tensors += len(buffer.sparse_slots)
+        self.metrics.elements_sent += buffer.dense_numel + (encoded.values.numel() if encoded.values is not None else 0)
+
+    # ---------------------------------------------------------------- write gradients
+    def finish(self) -> StepMetrics:
+        """Launch what is left (missing gradients count as zeros), wait, decode, write ``.grad``."""
+        if not self.sync_enabled:
+            return self.metrics
+        buffers = self.active_plan.buffers
+        while self._next < len(buffers):
+            self._launch(buffers[self._next])
+            self._next += 1
+        usage = self._agree_on_usage() if self.config.find_unused_parameters else None
+        ready_order = self._agree_on_ready_order() if self._rebuild_from_ready_order else None
+        started = time.perf_counter()
+        results = [(buffer, pending.wait(), encoded) for buffer, pending, encoded in self._pending]
+        globally_used = result(usage, self.channels.device).tolist() if usage is not None else None
+        self.metrics.exposed_comm_seconds += time.perf_counter() - started
+        for buffer, reduced, encoded in results:
+            self._write_gradients(buffer, reduced, globally_used)
+            self._update_memory(encoded, reduced)
+            self._count_traffic(buffer, reduced)
+        self.sparsifier.advance()
+        self.step += 1
+        metrics, self.metrics = self.metrics, StepMetrics()
+        if ready_order is not None:
+            self._rebuild_from_ready_order = False
+            self.set_plan(self._build_plan(result(ready_order, self.channels.device).tolist()))
+        else:
+            self._reset_round()
+        return metrics
+
+    def _agree_on_ready_order(self) -> Future:
+        """Rank 0's gradient-ready order (parameters it never saw last, in backward order)."""
+        seen = set(self._ready_order)
+        order = self._ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
+        return self.channels[0].submit(_broadcast_from_rank0, torch.tensor(order, dtype=torch.int64, device=self.channels.device))
+
+    def _agree_on_usage(self) -> Future:
+        """DDP's find_unused_parameters: a parameter no rank used keeps ``.grad`` untouched."""
+        used = torch.tensor(self._used, dtype=torch.uint8, device=self.channels.device)
+        return self.channels[0].submit(_allreduce_max, used)
+
+    def _write_gradients(self, buffer: Buffer, reduced: Reduced, globally_used: list[int] | None) -> None:
+        for slot in buffer.slots:
+            param = self.params[slot.param]
+            if globally_used is not None and not globally_used[slot.param]:
+                continue
+            part = reduced.sparse if slot.sparse else reduced.dense
+            value = part[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if param.grad is None:
+                param.grad = value.clone()
+            else:
+                param.grad.copy_(value)
+
+    def _update_memory(self, encoded: Encoded, reduced: Reduced) -> None:
+        for update in encoded.updates:
+            sent = update.sent
+            if reduced.applied is not None:
+                sent = sent[torch.isin(sent + update.offset, reduced.applied)]
+            self.memory.update(update.key, update.compensated, sent)
+
+    def _count_traffic(self, buffer: Buffer, reduced: Reduced) -> None:
+        t = reduced.traffic
+        self.metrics.bytes_sent += t.sent
+        self.metrics.bytes_received += t.received
+        self.metrics.padded_bytes_sent += t.padded_sent
+        self.metrics.padded_bytes_received += t.padded_received
+        element = self.params[buffer.slots[0].param].element_size()
+        self.metrics.dense_equivalent_bytes += ring_allreduce_bytes(buffer.numel, element, self.world_size)
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "plan": self.plan,
+            "sparsifier": self.sparsifier.state_dict(),
+            "memory": self.memory.state_dict(),
+            "communicator": self.communicator.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], per_rank: bool = True) -> None:
+        """Restore a rank's state; with ``per_rank=False`` (another world size) keep only the step
+        counter and the plan, and start error feedback and sparsifier state afresh."""
+        plan: Plan = state["plan"]
+        saved = sorted((s.name, s.numel) for b in plan.buffers for s in b.slots)
+        ours = sorted((spec.name, spec.numel) for _, spec in self.specs(range(len(self.params))))
+        if saved != ours:
+            missing = sorted({n for n, _ in ours} ^ {n for n, _ in saved})[:5]
+            raise ValueError(
+                f"the checkpoint's engine state belongs to a different model (parameters differ, e.g. {missing})"
+            )
+        self.step = int(state["step"])
+        self._rebuild_from_ready_order = False
+        self.set_plan(plan)
+        if not per_rank:
+            self.memory.reset()
+            return
+        device = self.channels.device
+        self.sparsifier.load_state_dict(_to_device(state["sparsifier"], device))
+        self.memory.load_state_dict(_to_device(state["memory"], device))
+        self.communicator.load_state_dict(_to_device(state["communicator"], device))
+
+    def close(self) -> None:
+        self.detach()
+        self.channels.shutdown()
+
+
+def _to_device(state: Any, device: torch.device) -> Any:
+    if isinstance(state, Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _to_device(v, device) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_device(v, device) for v in state)
+    return state
+
+
+def _broadcast_from_rank0(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    dist.broadcast(tensor, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return tensor
+
+
+def _allreduce_max(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor

@@ -1,0 +1,112 @@
+"""The communication plan: parameters in backward order, cut into fusion buffers.
+
+A plan is a pure function of the model, the configuration and (for cost-driven policies) costs
+that all ranks agreed on, so every rank computes the same plan and issues the same collectives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the planner knows about one trainable parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.tensor([], dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in a buffer: its flat range and how it is sent."""
+
+    name: str
+    param: int  # position of the parameter in the engine's parameter list
+    shape: tuple[int, ...]
+    offset: int  # first element in its part: the buffer's dense part or its sparse part
+    numel: int
+    sparse: bool
+    k: int  # elements to select when sparse; numel when dense
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A fusion buffer: slots in backward order, sent together starting on ``channel``.
+
+    The buffer has two flat index spaces: the dense part (its dense slots, concatenated) and the
+    sparse part (its sparse slots, concatenated); sparse indices are positions in the sparse part.
+    """
+
+    index: int
+    slots: tuple[Slot, ...]
+    channel: int
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def dense_slots(self) -> tuple[Slot, ...]:
+        return tuple(s for s in self.slots if not s.sparse)
+
+    @property
+    def sparse_slots(self) -> tuple[Slot, ...]:
+        return tuple(s for s in self.slots if s.sparse)
+
+    @property
+    def dense_numel(self) -> int:
+        return sum(s.numel for s in self.dense_slots)
+
+    @property
+    def sparse_numel(self) -> int:
+        return sum(s.numel for s in self.sparse_slots)
+
+
+@dataclass(frozen=True)
+class Plan:
+    buffers: tuple[Buffer, ...]
+    #: policy-specific facts worth reporting (e.g. the thresholds ``selective`` chose)
+    notes: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def fingerprint(self) -> str:
+        text = repr([(b.index, b.channel, [(s.name, s.offset, s.numel, s.sparse, s.k) for s in b.slots]) for b in self.buffers])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def buffer_of(self) -> dict[int, int]:
+        """Parameter position -> index of the buffer that holds it."""
+        return {slot.param: buffer.index for buffer in self.buffers for slot in buffer.slots}
+
+
+def cut_by_bytes(params: Sequence[tuple[int, ParamSpec]], cap_bytes: float) -> list[list[tuple[int, ParamSpec]]]:
+    """Greedy byte-capped grouping in the given order; a tensor larger than the cap gets its own
+    buffer, and a buffer never mixes dtypes (it is one flat tensor)."""
+    groups: list[list[tuple[int, ParamSpec]]] = []
+    current: list[tuple[int, ParamSpec]] = []
+    size = 0
+    for item in params:
+        nbytes = item[1].nbytes
+        if current and (size + nbytes > cap_bytes or item[1].dtype != current[0][1].dtype):
+            groups.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups

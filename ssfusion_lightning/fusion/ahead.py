@@ -1,0 +1,23 @@
+"""`ahead`: SAFusion's sparsification-ahead fusion.
+
+Each tensor is sparsified with its own k_i = max(1, floor(density * n_i)) as it arrives, then the
+sparse pieces are fused into byte-capped buffers, so no tensor is ever left without an element.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ssfusion_lightning.engine.plan import ParamSpec, Plan
+from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, byte_capped_plan
+
+
+@FUSION_POLICIES.register("ahead")
+class AheadPolicy(FusionPolicy):
+    name = "ahead"
+
+    def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
+        sparse = not ctx.sparsifier.is_dense
+        return byte_capped_plan(
+            params, ctx, ctx.buffer_bytes, lambda spec: sparse, lambda spec: ctx.sparsifier.k_for(spec.numel)
+        )

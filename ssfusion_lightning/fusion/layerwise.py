@@ -1,0 +1,17 @@
+"""`layerwise`: one buffer per tensor, per-tensor sparsification and communication (no fusion)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ssfusion_lightning.engine.plan import ParamSpec, Plan
+from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, byte_capped_plan
+
+
+@FUSION_POLICIES.register("layerwise")
+class LayerwisePolicy(FusionPolicy):
+    name = "layerwise"
+
+    def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
+        sparse = not ctx.sparsifier.is_dense
+        return byte_capped_plan(params, ctx, 0, lambda spec: sparse, lambda spec: ctx.sparsifier.k_for(spec.numel))

@@ -1,0 +1,276 @@
+"""SSFusionStrategy: Lightning glue around the fusion engine (lifecycle, groups, checkpoints).
+
+Subclasses DDPStrategy so Lightning's DistributedSampler and sync_dist keep working, but never
+wraps the model in DistributedDataParallel: gradients are exchanged by the engine instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Generator, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.constants import default_pg_timeout
+
+from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
+from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
+from ssfusion_lightning.engine.metrics import StepMetrics
+from ssfusion_lightning.fusion import FUSION_POLICIES
+from ssfusion_lightning.presets import SYSTEM_PRESETS
+from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, validate_density
+
+log = logging.getLogger(__name__)
+
+OFFLOAD_CHOICES = ("none", "thread", "stream", "auto")
+CHECKPOINT_KEY = "ssfusion_engine"
+
+
+def _choice(kind: str, value: Any, choices) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"unknown {kind} {value!r}; valid choices: {', '.join(sorted(choices))}")
+    return value
+
+
+class SSFusionStrategy(DDPStrategy):
+    """Data-parallel training with sparsified, fused gradient communication.
+
+    Args:
+        sparsifier: a name from ``available_sparsifiers()`` or a Sparsifier instance.
+        density: fraction of elements sent, 0 < density <= 1.
+        memory: error feedback, "residual" | "dgc" | "none".
+        fusion: buffer/selection policy (see ``available_fusion_policies()``).
+        comm: collective (see ``available_communicators()``).
+        buffer_mb: cap of a fusion buffer in MiB.
+        process_groups: number of strategy-owned process groups buffers rotate over (>= 1).
+        offload: where sparsification runs: "none" | "thread" | "stream" | "auto".
+        warmup_steps: dense steps before sparsification starts.
+        find_unused_parameters: as DDP's: a parameter that no rank used keeps ``.grad`` untouched.
+        broadcast_buffers: as DDP's: module buffers (BatchNorm statistics) are broadcast from rank 0
+            before each synchronized forward.
+    """
+
+    strategy_name = "ssfusion"
+
+    def __init__(
+        self,
+        sparsifier: str | Sparsifier = "dgc",
+        density: float = 0.01,
+        memory: str = "residual",
+        fusion: str = "selective",
+        comm: str = "hybrid",
+        buffer_mb: float = 25.0,
+        process_groups: int = 2,
+        offload: str = "auto",
+        warmup_steps: int = 0,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise TypeError(
+                f"SSFusionStrategy got unexpected keyword arguments {sorted(unknown)}; it does not wrap the model in "
+                "DistributedDataParallel, so DDP-only options are not accepted"
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.density = validate_density(density)
+        if isinstance(sparsifier, Sparsifier):
+            self.sparsifier_spec: str | Sparsifier = sparsifier
+        else:
+            self.sparsifier_spec = _choice("sparsifier", sparsifier, SPARSIFIERS.names())
+        self.memory_name = _choice("memory", memory, MEMORIES.names())
+        self.fusion_name = _choice("fusion policy", fusion, FUSION_POLICIES.names())
+        self.comm_name = _choice("comm", comm, COMMUNICATORS.names())
+        self.offload = _choice("offload", offload, OFFLOAD_CHOICES)
+        if isinstance(buffer_mb, bool) or not isinstance(buffer_mb, (int, float)) or buffer_mb <= 0:
+            raise ValueError(f"buffer_mb must be a positive number, got {buffer_mb!r}")
+        self.buffer_mb = float(buffer_mb)
+        if isinstance(process_groups, bool) or not isinstance(process_groups, int) or process_groups < 1:
+            raise ValueError(f"process_groups must be an integer >= 1, got {process_groups!r}")
+        self.process_groups = process_groups
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.engine: FusionEngine | None = None
+        self.last_metrics: StepMetrics = StepMetrics()
+        self._groups: list[dist.ProcessGroup] = []
+        self._buffers_due = True
+        self._restored_state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, (description, kwargs) in SYSTEM_PRESETS.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **kwargs)
+
+    # ------------------------------------------------------------ lifecycle
+    def configure_ddp(self) -> None:
+        """Replace DDP's wrapper by the fusion engine: same starting point on all ranks, own groups, hooks."""
+        assert self.model is not None
+        _sync_module_states(self.model)
+        self.engine = self._build_engine()
+        if self._restored_state is not None:
+            self._restore_engine(self._restored_state)
+            self._restored_state = None
+        self.engine.attach()
+
+    def _build_engine(self) -> FusionEngine:
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        sparsifier = (
+            self.sparsifier_spec
+            if isinstance(self.sparsifier_spec, Sparsifier)
+            else SPARSIFIERS.build(self.sparsifier_spec, density=self.density)
+        )
+        self._groups = self._create_groups()
+        channels = ChannelSet(self._groups if self._groups else [None], self.root_device)
+        return FusionEngine(
+            named,
+            sparsifier,
+            MEMORIES.build(self.memory_name),
+            FUSION_POLICIES.build(self.fusion_name),
+            COMMUNICATORS.build(self.comm_name),
+            channels,
+            EngineConfig(
+                buffer_bytes=self.buffer_mb * 1024 * 1024,
+                warmup_steps=self.warmup_steps,
+                find_unused_parameters=self.find_unused_parameters,
+            ),
+        )
+
+    def _create_groups(self) -> list[dist.ProcessGroup]:
+        if not _distributed_is_initialized():
+            return []
+        # Every rank creates the same groups in the same order (new_group is collective).
+        return [
+            dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
+            for _ in range(self.process_groups)
+        ]
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        for group in self._groups:
+            dist.destroy_process_group(group)
+        self._groups = []
+        super().teardown()
+
+    # ------------------------------------------------------------ training step
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no communication on the non-final micro-batches."""
+        if self.engine is None:
+            yield None
+            return
+        self.engine.sync_enabled = False
+        try:
+            yield None
+        finally:
+            self.engine.sync_enabled = True
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        self._sync_buffers_before_forward()
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        self._sync_buffers_before_forward()
+        return super().validation_step(*args, **kwargs)
+
+    def _sync_buffers_before_forward(self) -> None:
+        """DDP's rule: broadcast buffers from rank 0 before a forward that follows a synchronized one."""
+        if self.engine is None:
+            return
+        if self.broadcast_buffers and self._buffers_due and _distributed_is_initialized():
+            buffers = [b for b in self.model.buffers() if b.numel() > 0]
+            if buffers:
+                dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 1024 * 1024, 0)
+        self._buffers_due = torch.is_grad_enabled() and self.engine.sync_enabled
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.engine is None or not self.engine.sync_enabled:
+            return
+        self.last_metrics = self.engine.finish()
+        self._log_metrics(self.last_metrics)
+
+    def _log_metrics(self, metrics: StepMetrics) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or not self.is_global_zero or not trainer.loggers:
+            return
+        if trainer.global_step % max(1, trainer.log_every_n_steps) != 0:
+            return
+        values = {f"ssfusion/{key}": value for key, value in metrics.as_dict().items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Runs on every rank: gather each rank's engine state into rank 0's checkpoint."""
+        if self.engine is not None:
+            state = self.engine.state_dict()
+            if _distributed_is_initialized():
+                gathered = [None] * self.world_size if self.is_global_zero else None
+                dist.gather_object(state, gathered, dst=0)
+            else:
+                gathered = [state]
+            if self.is_global_zero:
+                checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": gathered}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        # The engine state holds plan dataclasses, not only tensors.
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False if weights_only is None else weights_only)
+        self._restored_state = checkpoint.get(CHECKPOINT_KEY)
+        if self.engine is not None and self._restored_state is not None:
+            self._restore_engine(self._restored_state)
+            self._restored_state = None
+        return checkpoint
+
+    def _restore_engine(self, saved: dict[str, Any]) -> None:
+        assert self.engine is not None
+        ranks = saved["ranks"]
+        if saved["world_size"] != self.world_size:
+            rank_zero_warn(
+                f"checkpoint was written with world size {saved['world_size']}, now {self.world_size}: per-rank "
+                "error-feedback residuals and sparsifier state are reset; the step counter and plan are kept"
+            )
+            self.engine.load_state_dict(ranks[0], per_rank=False)
+            return
+        self.engine.load_state_dict(ranks[self.global_rank])
+
+    # ------------------------------------------------------------ spawn launcher
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["engine"] = None
+        state["_groups"] = []
+        return state

@@ -1,0 +1,95 @@
+"""A pool of gloo ranks reused across tests: process start-up and torch import dominate test time.
+
+``pool.run(fn, *args)`` runs the module-level function ``fn`` on every rank at once and returns
+the per-rank results. Workers look like ranks launched externally (LOCAL_RANK etc. are set), so a
+Lightning Trainer inside ``fn`` joins the existing process group instead of launching processes.
+A task that hangs past its timeout kills the pool; the next ``run`` starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            outbox.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report every failure to the test process
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._procs: list[mp.Process] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self._outbox = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world_size, port, self._inboxes[r], self._outbox), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300, **kwargs: Any) -> list[Any]:
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for inbox in self._inboxes:
+            inbox.put((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        try:
+            while len(results) + len(failures) < self.world_size:
+                rank, ok, value = self._outbox.get(timeout=timeout)
+                (results if ok else failures)[rank] = value
+        except queue.Empty:
+            self.close()
+            raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s") from None
+        if failures:
+            self.close()  # a failed collective may leave the ranks out of step: start afresh next time
+            details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            raise AssertionError(f"{fn.__name__} failed on ranks {sorted(failures)}:\n{details}")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        self._procs = []

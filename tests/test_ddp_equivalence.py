@@ -1,0 +1,46 @@
+"""With sparsifier="none" the engine must reproduce Lightning's DDP bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ssfusion_lightning as ssf
+from tests.workloads import fit_and_get_params
+
+
+def run_pair(kind: str, ddp_name: str, engine_kwargs: dict, **trainer_kwargs):
+    reference = fit_and_get_params(ddp_name, kind=kind, **trainer_kwargs)
+    ours = fit_and_get_params(ssf.SSFusionStrategy(**engine_kwargs), kind=kind, **trainer_kwargs)
+    return reference, ours
+
+
+DENSE = dict(sparsifier="none", fusion="ahead", comm="allreduce", offload="none", process_groups=1)
+
+
+def assert_bitwise_equal(results):
+    for rank, (reference, ours) in enumerate(results):
+        assert reference.keys() == ours.keys()
+        for name in reference:
+            assert torch.equal(reference[name], ours[name]), f"rank {rank}: {name} differs from DDP"
+    for name in results[0][1]:
+        for rank in range(1, len(results)):
+            assert torch.equal(results[0][1][name], results[rank][1][name]), f"{name} differs across ranks"
+
+
+@pytest.mark.parametrize(
+    "kind, ddp_name, trainer_kwargs",
+    [
+        ("plain", "ddp", {}),
+        ("plain", "ddp", {"accumulate_grad_batches": 2}),
+        ("batchnorm", "ddp", {}),
+        ("unused_on_one_rank", "ddp_find_unused_parameters_true", {}),
+    ],
+    ids=["plain", "accumulate2", "batchnorm", "unused_on_one_rank"],
+)
+def test_dense_engine_equals_ddp_on_2_ranks(pool2, kind, ddp_name, trainer_kwargs):
+    assert_bitwise_equal(pool2.run(run_pair, kind, ddp_name, DENSE, **trainer_kwargs))
+
+
+def test_dense_engine_equals_ddp_on_4_ranks(pool4):
+    assert_bitwise_equal(pool4.run(run_pair, "plain", "ddp", DENSE))
