@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -74,13 +75,18 @@ class RankPool:
             inbox.put((fn, args, kwargs))
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
-        try:
-            while len(results) + len(failures) < self.world_size:
-                rank, ok, value = self._outbox.get(timeout=timeout)
-                (results if ok else failures)[rank] = value
-        except queue.Empty:
-            self.close()
-            raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s") from None
+        deadline = time.monotonic() + timeout
+        while len(results) + len(failures) < self.world_size:
+            try:
+                rank, ok, value = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = f"ranks {dead} died" if dead else f"it did not finish within {timeout}s"
+                    raise TimeoutError(f"{fn.__name__} failed on {self.world_size} ranks: {why}") from None
+                continue
+            (results if ok else failures)[rank] = value
         if failures:
             self.close()  # a failed collective may leave the ranks out of step: start afresh next time
             details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))

@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--rate", default="1gbit", help="per-node link rate, each direction (tc syntax; 'none' = unshaped)")
     r.add_argument("--delay", default=None, help="one-way delay added to every packet a node receives (e.g. 0.5ms)")
     r.add_argument("--loss", default=None, help="random loss per packet received (e.g. 0.1%%)")
-    r.add_argument("--log-dir", default=None, help="per-rank logs node<i>.log (default $TMPDIR/ssf_cluster_logs/<time>)")
+    r.add_argument("--log-dir", default=None,
+                   help="per-rank logs node<i>.log (default $TMPDIR/ssf_cluster_logs/<time>)")
     r.add_argument("--timeout", type=float, default=None, help="kill all ranks after this many seconds (exit 124)")
     r.add_argument("--fail-grace", type=float, default=30.0, help="kill the other ranks this long after one fails")
     r.add_argument("--master-port", type=int, default=29500)

@@ -24,6 +24,7 @@ import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,7 @@ NODE_IFNAME = "eth0"
 DELAY_IFNAME = "ssfdly"
 BRIDGE = "br0"
 DEFAULT_MASTER_PORT = 29500
+ETC_NETNS = Path("/etc/netns")  # `ip netns exec` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts
 _NS_RE = re.compile(rf"^{PREFIX}(\d+)-([a-z0-9]+)-(sw|n\d+)$")
 
 
@@ -55,7 +57,8 @@ def _ip_bin() -> str:
     return path
 
 
-def _sh(args: Sequence[str], check: bool = True, input: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+def _sh(args: Sequence[str], check: bool = True, input: str | None = None,
+        timeout: float = 30) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(args), input=input, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise ClusterError(f"command failed ({proc.returncode}): {shlex.join(args)}\n{proc.stderr.strip()}")
@@ -110,6 +113,12 @@ def _kill_ns_processes(ns: str, grace: float = 2.0) -> None:
 def delete_namespace(ns: str) -> None:
     _kill_ns_processes(ns)
     _sh([_ip_bin(), "netns", "delete", ns], check=False)
+    if ns.startswith(PREFIX):
+        shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
+        try:
+            ETC_NETNS.rmdir()  # only succeeds when empty, i.e. nobody else uses it
+        except OSError:
+            pass
 
 
 def cleanup_leftovers(force: bool = False, verbose: bool = True) -> list[str]:
@@ -121,7 +130,7 @@ def cleanup_leftovers(force: bool = False, verbose: bool = True) -> list[str]:
         if not m:
             continue
         owner = int(m.group(1))
-        if not force and owner != os.getpid() and _pid_alive(owner):
+        if not force and _pid_alive(owner):
             if verbose:
                 print(f"skipping {ns}: owner pid {owner} still running (use --force)", file=sys.stderr)
             continue
@@ -174,7 +183,8 @@ def probe_support(verbose: bool = False) -> dict:
         if not res["netns"]:
             res["reason"] = f"'ip netns add' failed: {p.stderr.strip()}"
             return res
-        res["veth"] = _sh([ip, "-n", name, "link", "add", "a0", "type", "veth", "peer", "name", "a1"], check=False).returncode == 0
+        res["veth"] = _sh([ip, "-n", name, "link", "add", "a0", "type", "veth", "peer", "name", "a1"],
+                          check=False).returncode == 0
         _sh([ip, "-n", name, "link", "set", "a0", "up"], check=False)
         res["bridge"] = _sh([ip, "-n", name, "link", "add", "b0", "type", "bridge"], check=False).returncode == 0
         res["tbf"] = _sh(["tc", "-n", name, "qdisc", "add", "dev", "a0", "root", "tbf", "rate", "1gbit",
@@ -220,7 +230,8 @@ class RunResult:
 
 def default_log_dir() -> Path:
     """A fresh directory under $TMPDIR/ssf_cluster_logs (never inside the repository)."""
-    return Path(tempfile.gettempdir()) / "ssf_cluster_logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(2)}"
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(2)}"
+    return Path(tempfile.gettempdir()) / "ssf_cluster_logs" / stamp
 
 
 def _norm_rc(rc: int | None) -> int:
@@ -329,6 +340,7 @@ class EmulatedCluster:
             self._sysctl(ns, {"net.ipv4.conf.all.rp_filter": "0", "net.ipv4.conf.default.rp_filter": "0",
                               f"net.ipv4.conf.{self.iface}.rp_filter": "0"})
         self._ip(sw, "link", "set", BRIDGE, "up")
+        self._write_hosts()
         self._apply_rate()
         self._apply_delay_loss()
         self._wait_reachable()
@@ -345,6 +357,16 @@ class EmulatedCluster:
             [sys.executable, "-m", "experiments.cluster.reaper", "--owner", str(os.getpid()),
              "--namespaces", self.switch_ns, *self.node_ns],
             stdin=subprocess.DEVNULL, start_new_session=True, env=self._child_env())
+
+    def _write_hosts(self) -> None:
+        """Per-node /etc/hosts: ``ssf-node<i>`` names for every node, and the host's hostname
+        mapped to the node's own address (so hostname-based address discovery sees the node)."""
+        hostname = socket.gethostname()
+        names = "".join(f"{self.addr(j)}\tssf-node{j}\n" for j in range(self.nodes))
+        for i, ns in enumerate(self.node_ns):
+            d = ETC_NETNS / ns
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n{self.addr(i)}\t{hostname}\n{names}")
 
     def describe(self) -> str:
         rate = format_rate(self.rate_bps) if self.rate_bps else "unlimited"
@@ -384,6 +406,16 @@ class EmulatedCluster:
             self._stop_delayer(i)
         if not self.delay_s and not self.loss:
             return
+        try:
+            self._start_delayers()
+        except ClusterError as e:
+            for i in range(self.nodes):
+                self._stop_delayer(i)
+            raise Unsupported(
+                "--delay/--loss cannot be emulated on this host: the kernel has no netem qdisc and the "
+                f"TUN + tc clsact/mirred fallback failed ({e}). Run without --delay/--loss.") from e
+
+    def _start_delayers(self) -> None:
         for i, ns in enumerate(self.node_ns):
             env = self._child_env()
             p = subprocess.Popen(
@@ -398,7 +430,7 @@ class EmulatedCluster:
                 if p.poll() is None:
                     p.kill()
                 err = p.stdout.read() if p.poll() is not None else ""
-                raise Unsupported(f"delay/loss element failed to start in {ns}: {line.strip()} {err.strip()}")
+                raise ClusterError(f"delay/loss element failed to start in {ns}: {line.strip()} {err.strip()}")
             self._ip(ns, "link", "set", DELAY_IFNAME, "up", "txqueuelen", "10000", "mtu", str(self.mtu))
             self._sysctl(ns, {f"net.ipv4.conf.{DELAY_IFNAME}.rp_filter": "0"})
             self._tc(ns, "qdisc", "add", "dev", self.iface, "clsact")
@@ -446,7 +478,13 @@ class EmulatedCluster:
 
     # ------------------------------------------------------------------ run
     def env_for(self, rank: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = dict(os.environ)
+        """Environment of node ``rank``: ``os.environ`` + ``extra`` + the cluster's variables (which win).
+
+        Variables that would make Lightning/torch detect a *different* cluster (SLURM, torchelastic,
+        MPI, LSF, Kubernetes) are removed."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_ENV_PREFIXES)}
+        if extra:
+            env.update({k: str(v) for k, v in extra.items()})
         env.update({
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
@@ -463,8 +501,6 @@ class EmulatedCluster:
         })
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nodes)))
         env.pop("GROUP_RANK", None)
-        if extra:
-            env.update({k: str(v) for k, v in extra.items()})
         return env
 
     def popen(self, rank: int, cmd: Sequence[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.Popen:
@@ -485,9 +521,12 @@ class EmulatedCluster:
             stream_to=None) -> RunResult:
         """Run ``cmd`` once per node (same command, per-node env) and wait for all of them.
 
+        ``env``: extra variables for every rank (the cluster's MASTER_ADDR/NODE_RANK/... still win);
+        ``rank_env(i)``: per-rank variables applied last (may override anything).
         Rank ``i``'s stdout+stderr go to ``log_dir/node<i>.log``; rank 0's are also streamed to
         ``stream_to`` (default ``sys.stdout``). On ``timeout`` every rank is killed and
-        ``returncode`` is 124. If a rank fails, the others are killed after ``fail_grace`` s.
+        ``returncode`` is 124. If a rank fails, the others are killed after ``fail_grace`` s and
+        ``returncode`` is the largest code among the ranks that exited by themselves.
         """
         if isinstance(cmd, str):
             cmd = ["sh", "-c", cmd]
@@ -502,6 +541,7 @@ class EmulatedCluster:
         logs = [log_dir / f"node{i}.log" for i in range(self.nodes)]
         t0 = time.monotonic()
         timed_out = False
+        natural: list[int | None] = [None] * self.nodes
         try:
             for i in range(self.nodes):
                 e = self.env_for(i, env)
@@ -521,7 +561,7 @@ class EmulatedCluster:
             deadline = t0 + timeout if timeout else None
             first_fail: float | None = None
             while True:
-                codes = [p.poll() for p in procs]
+                codes = natural = [p.poll() for p in procs]
                 if all(c is not None for c in codes):
                     break
                 now = time.monotonic()
@@ -545,7 +585,8 @@ class EmulatedCluster:
             with self._lock:
                 self._procs = [p for p in self._procs if p not in procs]
         codes = [p.returncode for p in procs]
-        rc = 124 if timed_out else max(_norm_rc(c) for c in codes)
+        exited = [_norm_rc(c) for c in natural if c is not None]
+        rc = 124 if timed_out else max(exited or [_norm_rc(c) for c in codes])
         return RunResult(rc, codes, timed_out, time.monotonic() - t0, log_dir, logs)
 
     # ------------------------------------------------------------- teardown
@@ -633,6 +674,7 @@ def _kill_group(p: subprocess.Popen, grace: float = 3.0) -> None:
         pass
 
 
+_FOREIGN_ENV_PREFIXES = ("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "LSB_", "KUBERNETES_")
 _SIGS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 

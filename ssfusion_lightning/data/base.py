@@ -21,7 +21,7 @@ _STAGE_SPLITS: dict[str | None, tuple[Split, ...]] = {
     "fit": ("train", "val"),
     "validate": ("val",),
     "test": ("test",),
-    "predict": ("test",),
+    "predict": (),  # no predict_dataloader: nothing to prepare
     None: ("train", "val", "test"),
 }
 

@@ -38,7 +38,10 @@ def read_idx(path: Path) -> Tensor:
 
 @DATASETS.register("mnist")
 class MNIST(ImageDataModule):
-    """MNIST: ``root/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]`` (or under ``root/MNIST/raw``); 10 classes of 1x28x28."""
+    """MNIST, 10 classes of 1x28x28: ``root/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]``.
+
+    The torchvision layout (the files under ``root/MNIST/raw``) is accepted too.
+    """
 
     def __init__(
         self,

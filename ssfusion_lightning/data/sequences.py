@@ -51,7 +51,7 @@ class MLMCollator:
     positions have targets.
 
     ``mask_token_id`` must be the highest id of the vocabulary: random replacements are drawn below it.
-    Draws from torch's global generator, which Lightning seeds per rank and per worker.
+    Draws from torch's global generator: seed it per rank and worker, e.g. ``seed_everything(s, workers=True)``.
     """
 
     mask_token_id: int

@@ -1,7 +1,7 @@
 """Learnable synthetic data, generated on the fly: no download, O(1) memory, identical on every rank.
 
-Item ``i`` of a split is drawn from a generator seeded by ``(seed, split, i)``, so the data does not
-depend on the rank, the worker, or the order in which items are read.
+Item ``i`` of a split is drawn from a generator seeded by a hash of ``(seed, split, i)``, so the data
+does not depend on the rank, the worker, or the order in which items are read.
 """
 
 from __future__ import annotations
@@ -18,9 +18,19 @@ _SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
 _PATTERN_RESOLUTION = 4
 
 
+_MASK64 = 2**64 - 1
+
+
 def item_generator(seed: int, split: Split, index: int) -> torch.Generator:
-    # Distinct (seed, split, index) triples give distinct seeds for any index below 2**32.
-    return torch.Generator().manual_seed(((seed * 3 + _SPLIT_IDS[split]) << 32 | index) % 2**63)
+    """A generator for one item, seeded by a hash of ``(seed, split, index)``.
+
+    The CPU generator keeps only the low 32 bits of its seed, so the triple is hashed (SplitMix64's
+    finalizer) rather than packed into bit fields: packing would give every split the same items.
+    """
+    state = (((seed * 3 + _SPLIT_IDS[split]) << 32) + index + 0x9E3779B97F4A7C15) & _MASK64
+    state = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    state = ((state ^ (state >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return torch.Generator().manual_seed(state ^ (state >> 31))
 
 
 class ClassPatterns(Dataset[tuple[Tensor, int]]):
@@ -67,7 +77,8 @@ class SyntheticImages(ImageDataModule):
         pin_memory: bool = False,
         drop_last: bool = True,
     ) -> None:
-        super().__init__(num_classes, (channels, image_size, image_size), batch_size, num_workers, pin_memory, drop_last)
+        image_shape = (channels, image_size, image_size)
+        super().__init__(num_classes, image_shape, batch_size, num_workers, pin_memory, drop_last)
         self.noise_std = noise_std
         self.samples = {"train": train_samples, "val": val_samples, "test": test_samples}
         self.seed = seed
@@ -75,9 +86,7 @@ class SyntheticImages(ImageDataModule):
         self.patterns = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
     def build_dataset(self, split: Split) -> ClassPatterns:
-        return ClassPatterns(
-            self.patterns, self.image_shape[-1], self.samples[split], self.noise_std, self.seed, split
-        )
+        return ClassPatterns(self.patterns, self.image_shape[-1], self.samples[split], self.noise_std, self.seed, split)
 
 
 class MarkovChain:

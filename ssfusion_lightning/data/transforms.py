@@ -1,6 +1,7 @@
 """Image preprocessing and augmentation with plain torch ops, on single (C, H, W) images.
 
-Randomness comes from torch's global generator, which Lightning seeds per rank and per worker.
+Randomness comes from torch's global generator: seed it per rank and worker, e.g. with Lightning's
+``seed_everything(seed, workers=True)``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def resize(image: Tensor, size: int) -> Tensor:
 def random_resized_crop(
     image: Tensor, size: int, scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3)
 ) -> Tensor:
-    """Crop a random area fraction in ``scale`` with aspect ratio in ``ratio``, resized to ``size`` (Inception-style)."""
+    """Inception-style crop: a random area fraction in ``scale``, aspect ratio in ``ratio``, resized to ``size``."""
     height, width = image.shape[-2:]
     area = height * width
     for _ in range(10):

@@ -51,11 +51,16 @@ class _WikiText(TokenDataModule):
         paths = locate(root, self.title, list(_SPLIT_FILES.values()), self.folders, (".raw", ".tokens"), hint)
         self.paths = dict(zip(_SPLIT_FILES, paths))
         self._streams: dict[str, Tensor] = {}
-        self.vocab: list[str] = []
+        self._vocab: list[str] = []
+
+    @property
+    def vocab(self) -> list[str]:
+        """Token strings by id."""
+        self._tokenize()
+        return self._vocab
 
     @property
     def vocab_size(self) -> int:
-        self._tokenize()
         return len(self.vocab)
 
     def build_dataset(self, split: Split) -> StreamChunks:
@@ -72,7 +77,7 @@ class _WikiText(TokenDataModule):
             self._streams[split] = tokenizer.encode(self.paths[split])
         if self.objective == "mlm":
             tokenizer.add_token(MASK)
-        self.vocab = tokenizer.vocab
+        self._vocab = tokenizer.vocab
 
 
 @DATASETS.register("wikitext2")
@@ -85,7 +90,7 @@ class WikiText2(_WikiText):
 
 @DATASETS.register("wikitext103")
 class WikiText103(_WikiText):
-    """WikiText-103 under ``root/wikitext-103-raw/``; tokenizing it takes about a minute per rank."""
+    """WikiText-103 under ``root/wikitext-103-raw/``; tokenizing it takes a minute or two per rank."""
 
     title = "WikiText-103"
     folders = ("wikitext-103-raw", "wikitext-103", "")

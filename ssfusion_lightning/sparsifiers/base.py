@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from abc import ABC, abstractmethod
+from functools import lru_cache
 from typing import Any, ClassVar
 
 import torch
@@ -19,6 +21,16 @@ def k_for(numel: int, density: float) -> int:
     return min(numel, max(1, math.floor(density * numel)))
 
 
+def stable_hash(text: str) -> int:
+    """A 63-bit hash of ``text`` that is the same in every process (unlike Python's salted ``hash``)."""
+    return _stable_hash(str(text))
+
+
+@lru_cache(maxsize=65536)
+def _stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
+
+
 def validate_density(density: float) -> float:
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not (0.0 < float(density) <= 1.0):
         raise ValueError(f"density must be a number with 0 < density <= 1, got {density!r}")
@@ -32,6 +44,13 @@ class Sparsifier(ABC):
     ``indices`` int64 positions into the flattened tensor, with no duplicates.
     ``key`` names the tensor (stateful sparsifiers keep per-tensor state under it); ``k`` overrides
     the count derived from the density (fusion policies use it for per-tensor budgets).
+
+    Contract of every implementation: works on any device (no ``.cuda()``), on fp32/bf16/fp16 (and
+    fp64) input of any shape, 0-d included; ``values == tensor.reshape(-1)[indices]`` in the input's
+    dtype; ``indices`` int64, distinct, in range. Fixed-k sparsifiers (``exact_k``) return exactly
+    ``min(k, numel)`` elements. Threshold sparsifiers return a data-dependent count; ``count_band``
+    documents it as factors of k (see each class), and they always return at least one element
+    of a non-empty tensor.
     """
 
     name: ClassVar[str] = ""
@@ -41,6 +60,8 @@ class Sparsifier(ABC):
     shared_indices: ClassVar[bool] = False
     #: keeps everything: the tensor is sent dense
     is_dense: ClassVar[bool] = False
+    #: for threshold sparsifiers: (low, high) factors of k the returned count lands in (see the class docs)
+    count_band: ClassVar[tuple[float, float] | None] = None
 
     def __init__(self, density: float = 0.01, **options: Any) -> None:
         if options:
@@ -51,10 +72,17 @@ class Sparsifier(ABC):
     def k_for(self, numel: int) -> int:
         return k_for(numel, self.density)
 
+    def resolve_k(self, numel: int, k: int | None) -> int:
+        """The budget for one tensor: ``k`` when given (clamped to [1, numel]), else ``k_for(numel)``."""
+        if numel <= 0:
+            return 0
+        if k is None:
+            return self.k_for(numel)
+        return max(1, min(int(k), numel))
+
     def output_count(self, shape: torch.Size, k: int) -> int | None:
         """The exact number of elements ``select`` returns for this shape and k, or None if data-dependent."""
-        numel = math.prod(shape)
-        return min(k, numel) if self.exact_k else None
+        return self.resolve_k(math.prod(shape), k) if self.exact_k else None
 
     @abstractmethod
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
@@ -69,6 +97,25 @@ class Sparsifier(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+
+
+class ThresholdSparsifier(Sparsifier):
+    """Base of the sparsifiers that select ``|x| >= threshold`` and so return a count near k.
+
+    ``finish`` enforces the common guarantees: at most ``cap`` elements (more are trimmed to k
+    by exact top-k among the selected ones) and at least one element of a non-empty tensor.
+    """
+
+    exact_k = False
+
+    def finish(self, flat: Tensor, indices: Tensor, k: int, cap: float) -> tuple[Tensor, Tensor]:
+        from ssfusion_lightning.sparsifiers.selection import trim_to_k
+
+        if indices.numel() > cap:
+            indices = trim_to_k(flat, indices, k)
+        if indices.numel() == 0 and flat.numel() > 0:
+            indices = flat.abs().argmax().view(1)
+        return flat[indices], indices
 
 
 SPARSIFIERS: Registry[Sparsifier] = Registry("sparsifier")

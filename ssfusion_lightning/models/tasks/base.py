@@ -31,7 +31,7 @@ class Task(LightningModule):
         warmup_steps: int,
     ) -> None:
         super().__init__()
-        # Fail at construction, not after the first epoch's data loading.
+        # Fail at construction rather than when fit() has already set up the data.
         check_choice("optimizer", optimizer, OPTIMIZERS)
         check_choice("lr schedule", lr_schedule, LR_SCHEDULES)
         self.model = model
@@ -47,7 +47,9 @@ class Task(LightningModule):
         return self.model(inputs)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = build_optimizer(self.model, self.optimizer_name, self.lr, self.weight_decay, self.momentum, self.betas)
+        optimizer = build_optimizer(
+            self.model, self.optimizer_name, self.lr, self.weight_decay, self.momentum, self.betas
+        )
         total_steps = int(self.trainer.estimated_stepping_batches)
         schedule = build_lr_schedule(optimizer, self.lr_schedule, total_steps, self.warmup_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,305 @@
+"""Ok-Topk's sparse allreduce (ALGORITHMS.md section 7): about k global entries, the top-k of the sum.
+
+One round for a buffer's sparse part (``numel`` elements, each rank holding its own selection):
+
+0. regions: the index space is cut into P contiguous regions. The boundaries are re-balanced on
+   the first round and every ``rebalance_every`` rounds from the ranks' selected-index quantiles
+   (allreduce SUM of every rank's P-1 quantiles, integer-divided by P: identical everywhere).
+1. split and reduce: each rank sends region j's entries to rank j (all_to_all of counts, then of
+   (index, value) pairs with uneven splits); the owner sums its region (fp32 for low precision).
+2. global threshold: every ``threshold_every`` rounds (and whenever the last global count left
+   [k/2, 2k]) the exact k-th largest |sum| over all regions (each owner contributes its local
+   top-k magnitudes, all-gathered); in between the stored threshold is reused and nudged (x1.1
+   when the global count was above 4k/3, x0.9 when below 2k/3). Owners keep |sum| >= threshold.
+3. balance and allgather: the kept entries, in global index order, are re-cut into P slices of
+   ceil(C/P) (all_to_all moves only what crosses a slice boundary), then one equal-sized
+   all_gather gives every rank all C entries.
+
+The result is the dense tensor holding those C entries (the top-k of the sum when the threshold
+is exact) and ``applied``, their positions; the engine then zeros a rank's residual only where an
+element was both sent by the rank and applied globally.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ssfusion_lightning.comm.base import COMMUNICATORS, PendingReduction
+from ssfusion_lightning.comm.channels import ChannelSet
+from ssfusion_lightning.comm.collectives import SchemeCommunicator, allreduce_dense, allreduce_shared_positions
+from ssfusion_lightning.comm.schemes import INDEX_BYTES, accumulation_dtype
+from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
+from ssfusion_lightning.engine.plan import Buffer
+from ssfusion_lightning.fusion.base import Encoded
+
+NUDGE_UP = 1.1
+NUDGE_DOWN = 0.9
+
+
+@dataclass
+class OkTopkState:
+    """Per-buffer state carried across rounds (identical on every rank)."""
+
+    rounds: int = 0
+    boundaries: Tensor | None = None  # int64, P + 1 region edges: 0 = b_0 <= ... <= b_P = numel
+    threshold: float = 0.0
+    exact_next: bool = True
+    last_count: int = 0  # global number of entries kept in the last round
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "boundaries": None if self.boundaries is None else self.boundaries.detach().cpu().clone(),
+            "threshold": self.threshold,
+            "exact_next": self.exact_next,
+            "last_count": self.last_count,
+        }
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> OkTopkState:
+        boundaries = state.get("boundaries")
+        return cls(
+            rounds=int(state.get("rounds", 0)),
+            boundaries=None if boundaries is None else torch.as_tensor(boundaries, dtype=torch.int64),
+            threshold=float(state.get("threshold", 0.0)),
+            exact_next=bool(state.get("exact_next", True)),
+            last_count=int(state.get("last_count", 0)),
+        )
+
+
+def _bytes_as(chunk: Tensor, dtype: torch.dtype) -> Tensor:
+    if chunk.storage_offset() % torch.tensor([], dtype=dtype).element_size():
+        chunk = chunk.clone()
+    return chunk.view(dtype)
+
+
+def _pairs(indices: Tensor, values: Tensor) -> Tensor:
+    return torch.cat([indices.contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)])
+
+
+def _exchange_pairs(
+    parts: list[tuple[Tensor, Tensor]],
+    recv_counts: list[int],
+    dtype: torch.dtype,
+    group,
+    traffic: Traffic,
+) -> list[tuple[Tensor, Tensor]]:
+    """all_to_all_single of (index, value) pairs: ``parts[j]`` goes to rank j; own part stays."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    device = parts[me][0].device
+    pair = INDEX_BYTES + torch.tensor([], dtype=dtype).element_size()
+    in_splits = [0 if j == me else parts[j][0].numel() * pair for j in range(world)]
+    out_splits = [0 if j == me else recv_counts[j] * pair for j in range(world)]
+    segments = [_pairs(*parts[j]) for j in range(world) if j != me and parts[j][0].numel()]
+    inbox = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+    outbox = torch.cat(segments) if segments else inbox.new_empty(0)
+    dist.all_to_all_single(inbox, outbox, out_splits, in_splits, group=group)
+    traffic.add(sum(in_splits), sum(out_splits))
+    got = []
+    for j, chunk in enumerate(torch.split(inbox, out_splits)):
+        if j == me:
+            got.append(parts[me])
+            continue
+        cut = recv_counts[j] * INDEX_BYTES
+        got.append((_bytes_as(chunk[:cut], torch.int64), _bytes_as(chunk[cut:], dtype)))
+    return got
+
+
+def _all_gather_counts(count: int, group, device: torch.device, traffic: Traffic) -> list[int]:
+    world = dist.get_world_size(group)
+    mine = torch.tensor([count], dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    traffic.add((world - 1) * INDEX_BYTES, (world - 1) * INDEX_BYTES)
+    return [int(c.item()) for c in out]
+
+
+def rebalance_boundaries(indices: Tensor, numel: int, group, traffic: Traffic) -> Tensor:
+    """Region edges from the mean over ranks of each rank's selected-index P-quantiles."""
+    world = dist.get_world_size(group)
+    j = torch.arange(1, world, dtype=torch.int64, device=indices.device)
+    m = indices.numel()
+    if m:
+        quantiles = torch.sort(indices).values[(j * m) // world]
+    else:
+        quantiles = (j * numel) // world
+    dist.all_reduce(quantiles, group=group)
+    nbytes = ring_allreduce_bytes(world - 1, INDEX_BYTES, world)
+    traffic.add(nbytes, nbytes)
+    edges = torch.cat([quantiles.new_zeros(1), quantiles // world, quantiles.new_full((1,), numel)])
+    return torch.cummax(edges.clamp(0, numel), 0).values
+
+
+def oktopk_reduce(
+    values: Tensor,
+    indices: Tensor,
+    numel: int,
+    k: int,
+    group: dist.ProcessGroup | None,
+    traffic: Traffic,
+    state: OkTopkState,
+    rebalance_every: int = 64,
+    threshold_every: int = 32,
+) -> tuple[Tensor, Tensor]:
+    """One Ok-Topk round; returns (dense result in values' dtype, applied positions int64 sorted)."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    device, dtype = values.device, values.dtype
+    acc = accumulation_dtype(dtype)
+    indices = indices.to(torch.int64)
+    k = max(1, min(int(k), numel))
+
+    # 0. region boundaries
+    if state.boundaries is None or state.boundaries.numel() != world + 1 or state.rounds % rebalance_every == 0:
+        state.boundaries = rebalance_boundaries(indices, numel, group, traffic) if world > 1 else torch.tensor([0, numel])
+    edges = state.boundaries.to(device)
+
+    # 1. split and reduce
+    region = torch.searchsorted(edges[1:-1].contiguous(), indices, right=True)
+    order = torch.argsort(region, stable=True)
+    indices, values, region = indices[order], values[order], region[order]
+    send = torch.bincount(region, minlength=world)
+    if world > 1:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        traffic.add((world - 1) * INDEX_BYTES, (world - 1) * INDEX_BYTES)
+    else:
+        recv = send
+    counts = send.tolist()
+    parts = list(zip(torch.split(indices, counts), torch.split(values, counts)))
+    got = _exchange_pairs(parts, recv.tolist(), dtype, group, traffic) if world > 1 else parts
+    all_idx = torch.cat([g[0] for g in got])
+    region_idx, inverse = torch.unique(all_idx, sorted=True, return_inverse=True)
+    region_sum = torch.zeros(region_idx.numel(), dtype=acc, device=device)
+    region_sum.index_add_(0, inverse, torch.cat([g[1] for g in got]).to(acc))
+
+    # 2. global threshold
+    magnitude = region_sum.abs()
+    exact = state.exact_next or state.rounds % threshold_every == 0
+    if exact:
+        local_top = torch.topk(magnitude, min(k, magnitude.numel()), sorted=False).values
+        sizes = _all_gather_counts(local_top.numel(), group, device, traffic) if world > 1 else [local_top.numel()]
+        if world > 1 and max(sizes) > 0:
+            largest = max(sizes)
+            padded = torch.zeros(largest, dtype=acc, device=device)
+            padded[: local_top.numel()] = local_top
+            gathered = [torch.empty_like(padded) for _ in range(world)]
+            dist.all_gather(gathered, padded, group=group)
+            elem = padded.element_size()
+            traffic.add(
+                (world - 1) * local_top.numel() * elem,
+                (sum(sizes) - local_top.numel()) * elem,
+                (world - 1) * largest * elem,
+                (world - 1) * largest * elem,
+            )
+            candidates = torch.cat([g[:n] for g, n in zip(gathered, sizes)])
+        else:
+            candidates = local_top
+        state.threshold = float(torch.topk(candidates, k).values.min()) if candidates.numel() > k else 0.0
+    keep = magnitude >= state.threshold
+    kept_idx, kept_val = region_idx[keep], region_sum[keep].to(dtype)  # the one cast, by the owner
+
+    # 3. balance into ceil(C/P) slices in global index order, then allgather
+    sizes = _all_gather_counts(kept_idx.numel(), group, device, traffic) if world > 1 else [kept_idx.numel()]
+    total_count = sum(sizes)
+    chunk = -(-total_count // world)
+    starts = [sum(sizes[:j]) for j in range(world)]
+
+    def overlap(a0: int, a1: int, t: int) -> int:
+        return max(0, min(a1, min(total_count, (t + 1) * chunk)) - max(a0, t * chunk))
+
+    if world > 1 and total_count > 0:
+        out_counts = [overlap(starts[me], starts[me] + sizes[me], t) for t in range(world)]
+        in_counts = [overlap(starts[j], starts[j] + sizes[j], me) for j in range(world)]
+        pieces = list(zip(torch.split(kept_idx, out_counts), torch.split(kept_val, out_counts)))
+        held = _exchange_pairs(pieces, in_counts, dtype, group, traffic)
+        slice_idx = torch.cat([h[0] for h in held])
+        slice_val = torch.cat([h[1] for h in held])
+        pair = INDEX_BYTES + values.element_size()
+        n_mine = slice_idx.numel()
+        message = torch.zeros(chunk * pair, dtype=torch.uint8, device=device)
+        message[: chunk * INDEX_BYTES].view(torch.int64)[:n_mine] = slice_idx
+        message[chunk * INDEX_BYTES :].view(dtype)[:n_mine] = slice_val
+        gathered = [torch.empty_like(message) for _ in range(world)]
+        dist.all_gather(gathered, message, group=group)
+        traffic.add(
+            (world - 1) * n_mine * pair,
+            (total_count - n_mine) * pair,
+            (world - 1) * chunk * pair,
+            (world - 1) * chunk * pair,
+        )
+        held_counts = [overlap(0, total_count, t) for t in range(world)]
+        out_idx = torch.cat([g[: chunk * INDEX_BYTES].view(torch.int64)[:n] for g, n in zip(gathered, held_counts)])
+        out_val = torch.cat([g[chunk * INDEX_BYTES :].view(dtype)[:n] for g, n in zip(gathered, held_counts)])
+    else:  # one rank, or nothing kept anywhere
+        out_idx, out_val = kept_idx, kept_val
+    total = torch.zeros(numel, dtype=dtype, device=device)
+    total[out_idx] = out_val
+
+    # threshold bookkeeping, from the global count (identical on every rank)
+    if not exact:
+        if total_count > 4 * k / 3:
+            state.threshold *= NUDGE_UP
+        elif total_count < 2 * k / 3:
+            state.threshold *= NUDGE_DOWN
+    state.rounds += 1
+    state.last_count = total_count
+    state.exact_next = state.rounds % threshold_every == 0 or not (k / 2 <= total_count <= 2 * k)
+    return total, out_idx
+
+
+@COMMUNICATORS.register("oktopk")
+class OkTopkCommunicator(SchemeCommunicator):
+    """Ok-Topk: the dense part is all-reduced, the sparse part goes through ``oktopk_reduce``
+    (approximate: about k entries, the top-k of the sum) and reports the applied positions."""
+
+    name = "oktopk"
+    split = True
+
+    def __init__(self, rebalance_every: int = 64, threshold_every: int = 32, **options: Any) -> None:
+        super().__init__(**options)
+        for label, value in (("rebalance_every", rebalance_every), ("threshold_every", threshold_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"oktopk communicator: {label} must be an integer >= 1, got {value!r}")
+        self.rebalance_every = rebalance_every
+        self.threshold_every = threshold_every
+        self._states: dict[str, OkTopkState] = {}
+        self._lock = threading.Lock()
+
+    def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
+        dense = sparse = None
+        if encoded.dense is not None:
+            dense = channels[buffer.channel].submit(allreduce_dense, encoded.dense)
+        if encoded.values is not None:
+            channel = channels[buffer.channel + (1 if self.split and dense is not None else 0)]
+            if encoded.shared_indices:
+                sparse = channel.submit(allreduce_shared_positions, encoded.values, encoded.indices, buffer.sparse_numel)
+            else:
+                key = f"{buffer.index}:{buffer.sparse_numel}"
+                k = sum(slot.k for slot in buffer.sparse_slots)
+                sparse = channel.submit(self._oktopk_job, key, k, encoded.values, encoded.indices, buffer.sparse_numel)
+        return PendingReduction(dense, sparse, channels.device)
+
+    def state_for(self, key: str) -> OkTopkState:
+        with self._lock:
+            return self._states.setdefault(key, OkTopkState())
+
+    def _oktopk_job(self, key: str, k: int, values: Tensor, indices: Tensor, numel: int, group):
+        traffic = Traffic()
+        total, applied = oktopk_reduce(
+            values, indices, numel, k, group, traffic, self.state_for(key), self.rebalance_every, self.threshold_every
+        )
+        return total, traffic, applied
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"buffers": {key: s.as_dict() for key, s in self._states.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._states = {key: OkTopkState.from_dict(s) for key, s in state.get("buffers", {}).items()}

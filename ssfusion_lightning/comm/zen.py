@@ -1,0 +1,430 @@
+"""ZEN balanced parallelism: hash-partitioned sparse allreduce, and ZEN's choice against SparCML.
+
+Scheme ``zen`` (ALGORITHMS.md section 7):
+
+1. push: every index goes to the owner rank ``h0(index) % P`` of a seeded integer hash that is
+   the same on every rank; an all_to_all of per-owner counts, then an all_to_all of the
+   (index, value) pairs with uneven splits (gloo supports that for all_to_all_single).
+2. the owner sums what it received into a partition-local buffer of ``|I_i|`` elements, where
+   ``I_i`` is the fixed, sorted set of global indices that hash to rank ``i`` (precomputed once per
+   ``(numel, P, seed)`` and cached); a global index maps to its local slot by binary search in
+   ``I_i``.
+3. pull: each owner sends its aggregated partition to every other rank either as a hash bitmap
+   (one bit per element of ``I_i`` plus the nonzero values in ``I_i`` order) or as COO
+   (int64 index + value per nonzero), whichever is smaller. The nonzero counts are all-gathered
+   first (equal-sized), so every receiver knows each owner's message size and format.
+
+Only the owner sums a position, and everybody receives the owner's (already cast) values, so
+every rank ends with bitwise-identical outputs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ssfusion_lightning.comm import sparcml as _sparcml  # noqa: F401  (registers the sparcml scheme)
+from ssfusion_lightning.comm.base import COMMUNICATORS, PendingReduction
+from ssfusion_lightning.comm.channels import ChannelSet
+from ssfusion_lightning.comm.collectives import SchemeCommunicator, allreduce_dense, allreduce_shared_positions
+from ssfusion_lightning.comm.schemes import INDEX_BYTES, SPARSE_SCHEMES, accumulation_dtype
+from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
+from ssfusion_lightning.engine.plan import Buffer
+from ssfusion_lightning.fusion.base import Encoded
+
+#: the hash seed every rank uses unless a communicator agrees on another one
+DEFAULT_SEED = 0x5EED2E4
+
+_M32 = 0xFFFFFFFF
+_HASH_CHUNK = 1 << 22  # elements hashed at a time when building partitions (bounds temporary memory)
+
+
+# --------------------------------------------------------------------------- hashing
+def _mul32(h: Tensor, c: int) -> Tensor:
+    """(h * c) mod 2^32 for 0 <= h < 2^32 in int64 arithmetic without any overflow."""
+    lo = h * (c & 0xFFFF)  # < 2^48
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16  # < 2^32
+    return (lo + hi) & _M32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def zen_hash(indices: Tensor, seed: int = DEFAULT_SEED) -> Tensor:
+    """h0: a seeded 32-bit integer hash (murmur3's finalizer) of non-negative int64 indices.
+
+    Plain int64 tensor ops with no overflow, so it is bit-identical on every rank and device.
+    """
+    x = indices.to(torch.int64)
+    s = seed & _M32
+    h = (x & _M32) ^ s
+    high = x >> 32
+    if bool((high != 0).any()):
+        h = h ^ _fmix32((high & _M32) ^ ((s * 0x9E3779B1) & _M32))
+    return _fmix32(h)
+
+
+def zen_owner(indices: Tensor, world: int, seed: int = DEFAULT_SEED) -> Tensor:
+    """The owner rank (int64) of every index."""
+    return zen_hash(indices, seed) % world
+
+
+class ZenPartition:
+    """The fixed index sets I_0 .. I_{P-1}: sorted global indices that hash to each rank."""
+
+    def __init__(self, numel: int, world: int, seed: int, device: torch.device) -> None:
+        self.numel, self.world, self.seed = numel, world, seed
+        self.dtype = torch.int32 if numel <= 2**31 - 1 else torch.int64
+        pieces: list[list[Tensor]] = [[] for _ in range(world)]
+        for start in range(0, numel, _HASH_CHUNK):
+            chunk = torch.arange(start, min(numel, start + _HASH_CHUNK), dtype=torch.int64, device=device)
+            owner = zen_owner(chunk, world, seed)
+            if world <= 32:
+                for j in range(world):
+                    pieces[j].append(chunk[owner == j].to(self.dtype))
+            else:
+                order = torch.argsort(owner, stable=True)
+                counts = torch.bincount(owner, minlength=world).tolist()
+                for j, part in enumerate(torch.split(chunk[order], counts)):
+                    pieces[j].append(part.to(self.dtype))
+        empty = torch.empty(0, dtype=self.dtype, device=device)
+        self.sets = [torch.cat(p) if p else empty for p in pieces]
+        self.sizes = [int(s.numel()) for s in self.sets]
+
+    def local_slots(self, rank: int, indices: Tensor) -> Tensor:
+        """Positions in I_rank of global indices that hash to ``rank``."""
+        return torch.searchsorted(self.sets[rank], indices.to(self.dtype))
+
+
+_PARTITIONS: dict[tuple[int, int, int, str], ZenPartition] = {}
+_PARTITIONS_LOCK = threading.Lock()
+_MAX_CACHED_ELEMENTS = 1 << 28
+
+
+def zen_partition(numel: int, world: int, seed: int = DEFAULT_SEED, device: torch.device | str = "cpu") -> ZenPartition:
+    """The cached partition for ``(numel, world, seed)`` on ``device`` (built once, thread-safe)."""
+    device = torch.device(device)
+    key = (numel, world, seed, str(device))
+    with _PARTITIONS_LOCK:
+        cached = _PARTITIONS.get(key)
+        if cached is None:
+            cached = ZenPartition(numel, world, seed, device)
+            total = sum(p.numel for p in _PARTITIONS.values())
+            while _PARTITIONS and total + numel > _MAX_CACHED_ELEMENTS:  # evict the oldest
+                oldest = next(iter(_PARTITIONS))
+                total -= _PARTITIONS.pop(oldest).numel
+            _PARTITIONS[key] = cached
+        return cached
+
+
+# --------------------------------------------------------------------------- bitmap codec
+_BIT_WEIGHTS = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def pack_bits(bits: Tensor) -> Tensor:
+    """bool tensor -> uint8 bitmap, least significant bit first."""
+    n = bits.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=bits.device)
+    padded[:n] = bits.to(torch.uint8)
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=bits.device)
+    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: Tensor, n: int) -> Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.view(-1, 1) >> shifts) & 1).view(-1)[:n].bool()
+
+
+def pull_message_bytes(size: int, nonzeros: int, value_bytes: int) -> tuple[int, bool]:
+    """(bytes, as_bitmap) of an owner's pull message: the smaller of bitmap and COO (COO on a tie)."""
+    bitmap = (size + 7) // 8 + nonzeros * value_bytes
+    coo = nonzeros * (INDEX_BYTES + value_bytes)
+    return (bitmap, True) if bitmap < coo else (coo, False)
+
+
+# --------------------------------------------------------------------------- the scheme
+def _bytes_as(chunk: Tensor, dtype: torch.dtype) -> Tensor:
+    """View a uint8 slice as ``dtype``, copying first when the slice is not aligned for it."""
+    if chunk.storage_offset() % torch.tensor([], dtype=dtype).element_size():
+        chunk = chunk.clone()
+    return chunk.view(dtype)
+
+
+def _group_rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def zen_sum(
+    values: Tensor,
+    indices: Tensor,
+    numel: int,
+    group: dist.ProcessGroup | None,
+    traffic: Traffic,
+    equal_counts: bool = False,
+    seed: int = DEFAULT_SEED,
+) -> Tensor:
+    """ZEN balanced parallelism (see the module docstring); returns the dense sum, values' dtype."""
+    me, world = _group_rank_world(group)
+    device, dtype = values.device, values.dtype
+    acc = accumulation_dtype(dtype)
+    vbytes = values.element_size()
+    indices = indices.to(torch.int64)
+    if world == 1:
+        total = torch.zeros(numel, dtype=acc, device=device)
+        total.index_add_(0, indices, values.to(acc))
+        return total.to(dtype)
+    part = zen_partition(numel, world, seed, device)
+
+    # push: counts, then (index, value) pairs grouped by owner (own pairs stay local)
+    owner = zen_owner(indices, world, seed)
+    order = torch.argsort(owner, stable=True)
+    indices, values, owner = indices[order], values[order], owner[order]
+    send_counts = torch.bincount(owner, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    traffic.add((world - 1) * INDEX_BYTES, (world - 1) * INDEX_BYTES)
+    sends, recvs = send_counts.tolist(), recv_counts.tolist()
+    pair = INDEX_BYTES + vbytes
+    idx_parts, val_parts = torch.split(indices, sends), torch.split(values, sends)
+    segments, in_splits = [], []
+    for j in range(world):
+        if j == me:
+            in_splits.append(0)
+            continue
+        segments += [idx_parts[j].contiguous().view(torch.uint8), val_parts[j].contiguous().view(torch.uint8)]
+        in_splits.append(sends[j] * pair)
+    out_splits = [0 if j == me else recvs[j] * pair for j in range(world)]
+    inbox = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+    outbox = torch.cat(segments) if segments else inbox.new_empty(0)
+    dist.all_to_all_single(inbox, outbox, out_splits, in_splits, group=group)
+    traffic.add(sum(in_splits), sum(out_splits))
+
+    # the owner sums its partition in a partition-local buffer
+    got_idx, got_val = [idx_parts[me]], [val_parts[me]]
+    for j, chunk in enumerate(torch.split(inbox, out_splits)):
+        if j == me or recvs[j] == 0:
+            continue
+        cut = recvs[j] * INDEX_BYTES
+        got_idx.append(_bytes_as(chunk[:cut], torch.int64))
+        got_val.append(_bytes_as(chunk[cut:], dtype))
+    local = torch.zeros(part.sizes[me], dtype=acc, device=device)
+    local.index_add_(0, part.local_slots(me, torch.cat(got_idx)), torch.cat(got_val).to(acc))
+
+    # pull: nonzero counts (equal-sized all_gather), then each owner's bitmap or COO to all
+    nz = torch.nonzero(local != 0).view(-1)
+    mine_values = local[nz].to(dtype)  # cast once, by the owner
+    count = torch.tensor([nz.numel()], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    traffic.add((world - 1) * INDEX_BYTES, (world - 1) * INDEX_BYTES)
+    nonzeros = [int(c.item()) for c in counts]
+    formats = [pull_message_bytes(part.sizes[j], nonzeros[j], vbytes) for j in range(world)]
+    size, as_bitmap = formats[me]
+    if as_bitmap:
+        bits = torch.zeros(part.sizes[me], dtype=torch.bool, device=device)
+        bits[nz] = True
+        message = torch.cat([pack_bits(bits), mine_values.view(torch.uint8)])
+    else:
+        message = torch.cat([part.sets[me][nz].to(torch.int64).view(torch.uint8), mine_values.view(torch.uint8)])
+    assert message.numel() == size
+    in_splits = [0 if j == me else size for j in range(world)]
+    out_splits = [0 if j == me else formats[j][0] for j in range(world)]
+    inbox = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+    outbox = message.repeat(world - 1) if size else message
+    dist.all_to_all_single(inbox, outbox, out_splits, in_splits, group=group)
+    traffic.add(sum(in_splits), sum(out_splits))
+
+    # decode and scatter: every position is written by exactly one owner
+    total = torch.zeros(numel, dtype=dtype, device=device)
+    total[part.sets[me][nz].to(torch.int64)] = mine_values
+    for j, chunk in enumerate(torch.split(inbox, out_splits)):
+        if j == me or nonzeros[j] == 0:
+            continue
+        if formats[j][1]:
+            cut = (part.sizes[j] + 7) // 8
+            slots = torch.nonzero(unpack_bits(chunk[:cut], part.sizes[j])).view(-1)
+            where = part.sets[j][slots].to(torch.int64)
+        else:
+            cut = nonzeros[j] * INDEX_BYTES
+            where = _bytes_as(chunk[:cut], torch.int64)
+        total[where] = _bytes_as(chunk[cut:], dtype)
+    return total
+
+
+@SPARSE_SCHEMES.register("zen")
+def zen_scheme(
+    values: Tensor,
+    indices: Tensor,
+    numel: int,
+    group: dist.ProcessGroup | None,
+    traffic: Traffic,
+    equal_counts: bool = False,
+) -> Tensor:
+    """ZEN balanced parallelism with the default seed (every rank uses the same one)."""
+    return zen_sum(values, indices, numel, group, traffic, equal_counts, DEFAULT_SEED)
+
+
+def zen_expected_bytes(
+    rank_indices: list[Tensor], total: Tensor, value_bytes: int, seed: int = DEFAULT_SEED
+) -> list[tuple[int, int]]:
+    """Exact (sent, received) bytes of ``zen_sum`` for each rank, from every rank's index set and
+    the summed dense result ``total`` (its nonzeros are the K of the formula).
+
+    The per-rank form of the section-7 formula (P-1)/P * [k(v+x) + K*v + n/8] (bitmap), with the
+    COO alternative K*(v+x) for sparse partitions: push pairs that leave / reach the rank, the
+    owner's bitmap-or-COO message to the P-1 others, and the two count exchanges (8 bytes per peer).
+    """
+    world = len(rank_indices)
+    if world == 1:
+        return [(0, 0)]
+    numel = total.numel()
+    part = zen_partition(numel, world, seed)
+    pair = INDEX_BYTES + value_bytes
+    push = torch.stack([torch.bincount(zen_owner(i.to(torch.int64), world, seed), minlength=world) for i in rank_indices])
+    nonzero = torch.nonzero(total.reshape(-1) != 0).view(-1)
+    per_owner = torch.bincount(zen_owner(nonzero, world, seed), minlength=world).tolist()
+    msg = [pull_message_bytes(part.sizes[j], per_owner[j], value_bytes)[0] for j in range(world)]
+    out = []
+    for r in range(world):
+        small = 2 * (world - 1) * INDEX_BYTES
+        sent = small + (int(push[r].sum()) - int(push[r, r])) * pair + (world - 1) * msg[r]
+        received = small + (int(push[:, r].sum()) - int(push[r, r])) * pair + sum(msg) - msg[r]
+        out.append((sent, received))
+    return out
+
+
+# --------------------------------------------------------------------------- the communicator
+def _agree_seed(seed: int, group: dist.ProcessGroup | None, device: torch.device, traffic: Traffic) -> int:
+    """Rank 0's seed, broadcast on the group."""
+    tensor = torch.tensor([seed], dtype=torch.int64, device=device)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(tensor, src=src, group=group)
+    root = dist.get_rank(group) == 0
+    traffic.add((dist.get_world_size(group) - 1) * INDEX_BYTES if root else 0, 0 if root else INDEX_BYTES)
+    return int(tensor.item())
+
+
+class _BufferState:
+    __slots__ = ("rounds", "times", "choice")
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.times: dict[str, list[float]] = {"zen": [], "sparcml": []}
+        self.choice: str | None = None
+
+
+@COMMUNICATORS.register("zen")
+class ZenCommunicator(SchemeCommunicator):
+    """ZEN: per buffer, profile the ``zen`` scheme and SparCML (alternating) over the first
+    ``profile_rounds`` rounds, agree on the slowest rank's times (allreduce MAX on the buffer's
+    group), then keep the faster one. ``choice="zen"`` or ``"sparcml"`` forces a scheme.
+
+    ``seed`` is the hash seed; rank 0's value is broadcast once per process group.
+    """
+
+    name = "zen"
+    scheme = "zen"
+    split = True
+    CHOICES = ("auto", "zen", "sparcml")
+
+    def __init__(self, choice: str = "auto", profile_rounds: int = 4, seed: int = DEFAULT_SEED, **options: Any) -> None:
+        super().__init__(**options)
+        if choice not in self.CHOICES:
+            raise ValueError(f"zen communicator: choice must be one of {self.CHOICES}, got {choice!r}")
+        if isinstance(profile_rounds, bool) or not isinstance(profile_rounds, int) or profile_rounds < 2:
+            raise ValueError(f"zen communicator: profile_rounds must be an integer >= 2, got {profile_rounds!r}")
+        self.choice = choice
+        self.profile_rounds = profile_rounds
+        self.seed = int(seed)
+        self._states: dict[str, _BufferState] = {}
+        self._seeds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
+        dense = sparse = None
+        if encoded.dense is not None:
+            dense = channels[buffer.channel].submit(allreduce_dense, encoded.dense)
+        if encoded.values is not None:
+            channel = channels[buffer.channel + (1 if self.split and dense is not None else 0)]
+            if encoded.shared_indices:
+                sparse = channel.submit(allreduce_shared_positions, encoded.values, encoded.indices, buffer.sparse_numel)
+            else:
+                key = f"{buffer.index}:{buffer.sparse_numel}"
+                sparse = channel.submit(self._zen_job, key, encoded.values, encoded.indices, buffer.sparse_numel)
+        return PendingReduction(dense, sparse, channels.device)
+
+    def _state(self, key: str) -> _BufferState:
+        with self._lock:
+            return self._states.setdefault(key, _BufferState())
+
+    def _seed_for(self, group, device: torch.device, traffic: Traffic) -> int:
+        # one broadcast per group, issued by the group's own channel thread: same place on every rank
+        gid = id(group)
+        if gid not in self._seeds:
+            self._seeds[gid] = _agree_seed(self.seed, group, device, traffic)
+        return self._seeds[gid]
+
+    def scheme_for(self, key: str) -> str | None:
+        """The scheme chosen for a buffer (None while still profiling)."""
+        if self.choice != "auto":
+            return self.choice
+        state = self._states.get(key)
+        return None if state is None else state.choice
+
+    def _zen_job(self, key: str, values: Tensor, indices: Tensor, numel: int, group) -> tuple[Tensor, Traffic, Any]:
+        traffic = Traffic()
+        seed = self._seed_for(group, values.device, traffic)
+        state = self._state(key)
+        scheme = self.choice if self.choice != "auto" else state.choice
+        profiling = scheme is None
+        if profiling:
+            scheme = "zen" if state.rounds % 2 == 0 else "sparcml"
+        started = time.perf_counter()
+        if scheme == "zen":
+            total = zen_sum(values, indices, numel, group, traffic, False, seed)
+        else:
+            total = SPARSE_SCHEMES.get("sparcml")(values, indices, numel, group, traffic, False)
+        elapsed = time.perf_counter() - started
+        state.rounds += 1
+        if profiling:
+            state.times[scheme].append(elapsed)
+            if state.rounds >= self.profile_rounds:
+                state.choice = self._decide(state, group, values.device, traffic)
+        return total, traffic, None
+
+    @staticmethod
+    def _decide(state: _BufferState, group, device: torch.device, traffic: Traffic) -> str:
+        """Agree on the slowest rank's best time per scheme (allreduce MAX), pick the faster."""
+        best = torch.tensor([min(state.times["zen"]), min(state.times["sparcml"])], dtype=torch.float64, device=device)
+        dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+        nbytes = ring_allreduce_bytes(2, 8, dist.get_world_size(group))
+        traffic.add(nbytes, nbytes)
+        return "zen" if float(best[0]) <= float(best[1]) else "sparcml"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "choices": {k: s.choice for k, s in self._states.items() if s.choice is not None},
+            "rounds": {k: s.rounds for k, s in self._states.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._states = {}
+        for key, rounds in state.get("rounds", {}).items():
+            s = self._state(key)
+            s.rounds = int(rounds)
+        for key, choice in state.get("choices", {}).items():
+            self._state(key).choice = choice
+        # buffers restored mid-profiling start profiling afresh (times were not saved)
+        for s in self._states.values():
+            if s.choice is None:
+                s.rounds = 0

@@ -1,0 +1,55 @@
+"""`gaussiank`: threshold from a Gaussian fit of the gradient, then a few corrective rounds."""
+
+from __future__ import annotations
+
+from statistics import NormalDist
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier
+from ssfusion_lightning.sparsifiers.selection import Candidates, mean_std, search_threshold
+
+
+def two_sided_z(density: float) -> float:
+    """|Phi^-1(density / 2)|: a N(0, 1) variable exceeds it in magnitude with probability ``density``."""
+    return abs(NormalDist().inv_cdf(min(max(density, 1e-300), 1.0) / 2))
+
+
+@SPARSIFIERS.register("gaussiank")
+class GaussianKSparsifier(ThresholdSparsifier):
+    """Fit mean and std of the tensor (one reduction pass, no temporaries) and select
+    ``|x| >= |mean| + |Phi^-1(rho/2)| * std`` with rho = k / n.
+
+    If the count leaves [2k/3, 4k/3] the threshold is multiplied by 0.5 (too few) or 1.5 (too
+    many); once a too-low and a too-high threshold are known it bisects between them instead,
+    so heavy-tailed inputs converge instead of oscillating. At most ``max_adjust`` rounds;
+    raising rounds are counted inside the already-selected set (no extra pass).
+
+    Count band: (2/3, 4/3) x k. A count above 4k/3 after the rounds is trimmed to k by exact
+    top-k among the selected; below 2k/3 only when the rounds are spent (ties, degenerate
+    tensors); always at least one element.
+    """
+
+    name = "gaussiank"
+    count_band = (2 / 3, 4 / 3)
+
+    def __init__(self, density: float = 0.01, max_adjust: int = 8, **options: Any) -> None:
+        super().__init__(density=density, **options)
+        if isinstance(max_adjust, bool) or not isinstance(max_adjust, int) or max_adjust < 0:
+            raise ValueError(f"max_adjust must be an integer >= 0, got {max_adjust!r}")
+        self.max_adjust = max_adjust
+
+    def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
+        flat = tensor.reshape(-1)
+        n = flat.numel()
+        k = self.resolve_k(n, k)
+        if k >= n:
+            indices = torch.arange(n, device=flat.device)
+            return flat[indices], indices
+        mean, std = mean_std(flat)
+        threshold = abs(mean) + two_sided_z(k / n) * std
+        candidates = Candidates(flat)
+        threshold, _ = search_threshold(candidates, threshold, 2 * k / 3, 4 * k / 3, self.max_adjust)
+        return self.finish(flat, candidates.select(threshold), k, 4 * k / 3)

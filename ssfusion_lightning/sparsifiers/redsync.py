@@ -1,0 +1,83 @@
+"""`redsync`: RedSync's threshold binary search between the mean and the maximum magnitude."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, stable_hash
+from ssfusion_lightning.sparsifiers.selection import Candidates, abs_mean_max, sample_magnitudes
+
+SAMPLE = 1 << 16
+
+
+@SPARSIFIERS.register("redsync")
+class RedSyncSparsifier(ThresholdSparsifier):
+    """threshold(r) = mean|x| + r * (max|x| - mean|x|); binary search r in [0, 1] (starting at
+    0.5) until k <= count <= 2k, at most ``max_iters`` probes.
+
+    The probes are exact counts over the whole tensor. To pay for (usually) a single pass, the
+    search is first simulated on a sample; the lowest threshold the simulated search visits is
+    selected once, and every probe at or above it is counted inside that set. If the real search
+    goes lower than predicted, it simply makes another pass: the result is the plain binary
+    search's either way.
+
+    Count band: (1, 2) x k. A count above 2k after ``max_iters`` probes is trimmed to k by exact
+    top-k among the selected; below k only when the probes are spent (ties, degenerate
+    tensors); always at least one element.
+    """
+
+    name = "redsync"
+    count_band = (1.0, 2.0)
+
+    def __init__(self, density: float = 0.01, max_iters: int = 20, **options: Any) -> None:
+        super().__init__(density=density, **options)
+        if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
+            raise ValueError(f"max_iters must be a positive integer, got {max_iters!r}")
+        self.max_iters = max_iters
+
+    def _search(self, count, mean: float, top: float, k: int) -> tuple[float, float]:
+        """Run the binary search with ``count(threshold)``; returns (final r, lowest threshold probed).
+
+        When the probes run out without landing in [k, 2k], the final r is the highest one that
+        selected more than 2k (the caller trims it to k), else the last one probed.
+        """
+        low, high, r = 0.0, 1.0, 0.5
+        lowest = float("inf")
+        too_many: float | None = None
+        for probe in range(self.max_iters):
+            threshold = mean + r * (top - mean)
+            lowest = min(lowest, threshold)
+            c = count(threshold)
+            if k <= c <= 2 * k:
+                return r, lowest
+            if c < k:
+                high = r
+            else:
+                low = too_many = r
+            if probe < self.max_iters - 1:
+                r = 0.5 * (low + high)
+        return (too_many if too_many is not None else r), lowest
+
+    def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
+        flat = tensor.reshape(-1)
+        n = flat.numel()
+        k = self.resolve_k(n, k)
+        if k >= n:
+            indices = torch.arange(n, device=flat.device)
+            return flat[indices], indices
+        mean, top = abs_mean_max(flat)
+        candidates = Candidates(flat)
+        if n > 4 * SAMPLE:
+            sample = sample_magnitudes(flat, SAMPLE, offset=stable_hash(f"redsync:{self.step}:{key}"))
+            scale = n / sample.numel()
+
+            def estimate(threshold: float) -> float:
+                return int((sample >= threshold).sum() if threshold > 0 else (sample > 0).sum()) * scale
+
+            _, lowest = self._search(estimate, mean, top, k)
+            candidates.prepare(lowest)
+        r, _ = self._search(candidates.count, mean, top, k)
+        return self.finish(flat, candidates.select(mean + r * (top - mean)), k, 2 * k)

@@ -1,0 +1,301 @@
+"""Fast magnitude-selection primitives shared by the sparsifiers (no sparsifier is registered here).
+
+The expensive part of every magnitude sparsifier is turning ``|x| >= t`` into indices. On CPU a
+naive ``(x.abs() >= t).nonzero()`` costs three full-size passes plus a page-faulting 4-byte-per-
+element allocation, and ``nonzero`` over a multi-million-element mask is slow. ``indices_at_least``
+walks the tensor in cache-sized chunks with reused scratch buffers and decodes the mask eight
+bytes at a time (a mask word that is zero holds no selected element), which makes the whole
+selection cheaper than one fresh ``abs()`` of the tensor. On CUDA it is one fused expression.
+
+``topk_indices`` is exact top-k with a threshold pre-filter: a sample gives a magnitude that is,
+with high probability, a lower bound of the k-th largest one; one selection pass keeps the
+candidates above it; exact ``torch.topk`` runs on the candidates only. When the bound fails (fewer
+than k candidates) it falls back to ``torch.topk`` on the whole tensor, so the answer is always
+that of ``torch.topk`` up to ties.
+
+``Candidates`` answers exact counts of ``|x| >= t`` for many thresholds with one full pass: it
+keeps the superset selected at the lowest threshold evaluated so far and counts higher thresholds
+inside it. Threshold searches (gaussiank, redsync, sidco, dgc) are built on it.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+#: elements per chunk of the CPU selection pass (scratch: 4 bytes + 1 byte per element for fp32)
+CHUNK = 1 << 18
+#: below this size exact top-k runs torch.topk directly (the pre-filter cannot pay off)
+PREFILTER_MIN_NUMEL = 1 << 16
+#: sample size of the top-k pre-filter
+PREFILTER_SAMPLE = 1 << 16
+#: z-score of the pre-filter's safety margin (fallback probability ~3e-5 per call)
+PREFILTER_Z = 4.0
+
+
+def as_float(value: Tensor | float) -> float:
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
+
+
+def empty_indices(device: torch.device) -> Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
+
+
+# --------------------------------------------------------------------------- |x| >= t -> indices
+def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
+    """Sorted int64 positions of ``flat`` (1-D) with ``|x| >= threshold``; ``|x| > 0`` when threshold <= 0.
+
+    NaN never qualifies. The threshold is compared in the tensor's dtype (as torch does for a
+    Python scalar), consistently across calls, so nested thresholds give nested sets.
+    """
+    n = flat.numel()
+    strict = not threshold > 0  # also catches NaN thresholds below
+    if math.isnan(threshold):
+        return empty_indices(flat.device)
+    if threshold == math.inf:
+        return (flat.abs() == math.inf).nonzero().view(-1)
+    cut = 0.0 if strict else threshold
+    if flat.device.type != "cpu" or n <= CHUNK:
+        mag = flat.abs()
+        mask = mag > cut if strict else mag >= cut
+        return mask.nonzero().view(-1)
+    chunk = CHUNK
+    mag = torch.empty(chunk, dtype=flat.dtype)
+    mask = torch.empty(chunk, dtype=torch.bool)
+    words = mask.view(torch.int64)
+    bytes8 = mask.view(-1, 8)
+    pieces = []
+    compare = torch.gt if strict else torch.ge
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        length = stop - start
+        if length < chunk:
+            # the tail: clear the padding so the word decode never sees stale bytes
+            mask.zero_()
+        torch.abs(flat[start:stop], out=mag[:length])
+        compare(mag[:length], cut, out=mask[:length])
+        hit_words = words.nonzero().view(-1)
+        if hit_words.numel() == 0:
+            continue
+        rows_cols = bytes8[hit_words].nonzero()
+        pieces.append(hit_words[rows_cols[:, 0]].mul_(8).add_(rows_cols[:, 1]).add_(start))
+    if not pieces:
+        return empty_indices(flat.device)
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+# --------------------------------------------------------------------------- sampling
+@lru_cache(maxsize=4096)
+def _weyl_step(n: int) -> int:
+    """A step near n / golden ratio that is coprime with n: j * step mod n visits distinct, well spread positions."""
+    step = max(1, int(round(n * 0.6180339887498949)))
+    while math.gcd(step, n) != 1:
+        step += 1
+    return step
+
+
+def sample_positions(n: int, size: int, device: torch.device, offset: int = 0) -> Tensor:
+    """``size`` distinct positions of [0, n), spread like a low-discrepancy (Weyl) sequence.
+
+    Deterministic for a given offset (no generator state to checkpoint); a golden-ratio step
+    avoids aliasing with the row length of matrix-shaped tensors.
+    """
+    size = min(size, n)
+    if size >= n:
+        return torch.arange(n, device=device)
+    step = _weyl_step(n)
+    positions = torch.arange(size, dtype=torch.int64, device=device)
+    return positions.mul_(step).add_(offset % n).remainder_(n)
+
+
+def sample_magnitudes(flat: Tensor, size: int, offset: int = 0) -> Tensor:
+    """|x| at ``size`` sampled positions, in float32 (float64 input stays float64)."""
+    n = flat.numel()
+    sample = flat if size >= n else flat[sample_positions(n, size, flat.device, offset)]
+    dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    return sample.abs().to(dtype)
+
+
+def kth_largest(values: Tensor, rank: int) -> float:
+    """The ``rank``-th largest entry (1-based) of a 1-D tensor as a Python float."""
+    rank = max(1, min(rank, values.numel()))
+    return as_float(torch.topk(values, rank, sorted=False).values.min())
+
+
+# --------------------------------------------------------------------------- exact top-k
+def topk_positions(magnitudes: Tensor, k: int) -> Tensor:
+    """Positions of the k largest entries of a small 1-D magnitude tensor (plain torch.topk)."""
+    return torch.topk(magnitudes, k, sorted=False).indices
+
+
+def topk_indices(flat: Tensor, k: int, offset: int = 0) -> Tensor:
+    """Exact top-k by magnitude of a 1-D tensor: int64 positions, distinct, unsorted.
+
+    Same selection as ``torch.topk(flat.abs(), k)`` up to ties (for finite input).
+    """
+    n = flat.numel()
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    if k <= 0:
+        return empty_indices(flat.device)
+    if n < PREFILTER_MIN_NUMEL or 8 * k > n:
+        return topk_positions(flat.abs(), k)
+    size = min(PREFILTER_SAMPLE, n // 4)
+    expected = k * size / n
+    rank = math.ceil(expected + PREFILTER_Z * math.sqrt(expected) + 2)
+    if 4 * rank > size:
+        return topk_positions(flat.abs(), k)
+    threshold = kth_largest(sample_magnitudes(flat, size, offset), rank)
+    if not threshold > 0 or threshold == math.inf:
+        return topk_positions(flat.abs(), k)
+    candidates = indices_at_least(flat, threshold)
+    if candidates.numel() < k or 2 * candidates.numel() > n:
+        return topk_positions(flat.abs(), k)  # the bound failed (or filtered nothing): exact fallback
+    return trim_to_k(flat, candidates, k)
+
+
+def trim_to_k(flat: Tensor, candidates: Tensor, k: int) -> Tensor:
+    """The k candidates of largest magnitude (all of them when there are at most k)."""
+    if candidates.numel() <= k:
+        return candidates
+    magnitudes = flat[candidates].abs()
+    if candidates.numel() >= PREFILTER_MIN_NUMEL and 8 * k <= candidates.numel():
+        return candidates[topk_indices(magnitudes, k)]
+    return candidates[topk_positions(magnitudes, k)]
+
+
+# --------------------------------------------------------------------------- threshold searches
+class Candidates:
+    """Exact ``count``/``select`` of ``|x| >= t`` for many thresholds with as few full passes as possible.
+
+    The positions selected at the lowest threshold evaluated so far are kept with their
+    magnitudes; a higher threshold is answered inside that superset. ``full_passes`` counts the
+    passes over the whole tensor.
+    """
+
+    def __init__(self, flat: Tensor) -> None:
+        self.flat = flat
+        self.threshold: float | None = None
+        self.indices: Tensor | None = None
+        self.magnitudes: Tensor | None = None
+        self.full_passes = 0
+
+    def _covers(self, threshold: float) -> bool:
+        if self.threshold is None:
+            return False
+        if not self.threshold > 0:
+            return True  # the superset is every nonzero element
+        return threshold >= self.threshold
+
+    def prepare(self, threshold: float) -> None:
+        """Make sure every threshold >= ``threshold`` is answered without another full pass."""
+        if math.isnan(threshold) or self._covers(threshold):
+            return
+        self.indices = indices_at_least(self.flat, threshold)
+        self.magnitudes = self.flat[self.indices].abs()
+        self.threshold = threshold
+        self.full_passes += 1
+
+    def _mask(self, threshold: float) -> Tensor | None:
+        """None when the whole stored superset qualifies."""
+        assert self.threshold is not None and self.magnitudes is not None
+        if threshold == self.threshold or (not threshold > 0 and not self.threshold > 0):
+            return None
+        if not threshold > 0:
+            return self.magnitudes > 0
+        return self.magnitudes >= threshold
+
+    def count(self, threshold: float) -> int:
+        if math.isnan(threshold):
+            return 0
+        self.prepare(threshold)
+        mask = self._mask(threshold)
+        return self.indices.numel() if mask is None else int(mask.sum())
+
+    def select(self, threshold: float) -> Tensor:
+        if math.isnan(threshold):
+            return empty_indices(self.flat.device)
+        self.prepare(threshold)
+        mask = self._mask(threshold)
+        return self.indices if mask is None else self.indices[mask]
+
+
+def search_threshold(
+    candidates: Candidates,
+    threshold: float,
+    lo: float,
+    hi: float,
+    rounds: int,
+    down: float = 0.5,
+    up: float = 1.5,
+) -> tuple[float, int]:
+    """Move ``threshold`` until ``lo <= count <= hi`` or ``rounds`` adjustments are spent.
+
+    Multiplicative steps (``down`` when too few are selected, ``up`` when too many) until the
+    target is bracketed, then bisection inside the bracket, so the search converges on any
+    distribution instead of oscillating. Returns the last threshold and its exact count.
+    """
+    count = candidates.count(threshold)
+    too_high: float | None = None  # a threshold known to select fewer than lo
+    too_low: float | None = None  # a threshold known to select more than hi
+    for _ in range(rounds):
+        if lo <= count <= hi or math.isnan(threshold):
+            break
+        if count < lo:
+            too_high = threshold
+            threshold = 0.5 * (threshold + too_low) if too_low is not None else threshold * down
+        else:
+            too_low = threshold
+            if too_high is not None:
+                threshold = 0.5 * (threshold + too_high)
+            elif threshold > 0:
+                threshold = threshold * up
+            else:
+                break  # everything nonzero is selected already: only trimming can help
+        count = candidates.count(threshold)
+    return threshold, count
+
+
+# --------------------------------------------------------------------------- moments without big temporaries
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def mean_std(flat: Tensor) -> tuple[float, float]:
+    """Mean and (population) standard deviation of a 1-D tensor, without an n-sized temporary."""
+    n = flat.numel()
+    if n == 0:
+        return 0.0, 0.0
+    acc = accumulation_dtype(flat.dtype)
+    if flat.dtype == acc:
+        total = as_float(flat.sum())
+        squares = as_float(torch.dot(flat, flat))
+    else:
+        total = as_float(flat.sum(dtype=acc))
+        squares = as_float(torch.linalg.vector_norm(flat, 2, dtype=acc)) ** 2
+    mean = total / n
+    return mean, math.sqrt(max(squares / n - mean * mean, 0.0))
+
+
+def abs_mean_max(flat: Tensor) -> tuple[float, float]:
+    """mean |x| and max |x| of a 1-D tensor."""
+    n = flat.numel()
+    if n == 0:
+        return 0.0, 0.0
+    acc = accumulation_dtype(flat.dtype)
+    l1 = as_float(torch.linalg.vector_norm(flat, 1, dtype=acc))
+    low, high = torch.aminmax(flat)
+    return l1 / n, max(-as_float(low), as_float(high))
+
+
+def all_finite(tensor: Tensor) -> bool:
+    """True when no element is NaN or +-Inf (one cheap reduction; exact check only on overflow)."""
+    if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
+        return True
+    total = tensor.sum(dtype=accumulation_dtype(tensor.dtype)) if tensor.is_floating_point() else tensor.sum()
+    if bool(torch.isfinite(total)):
+        return True
+    return bool(torch.isfinite(tensor).all())  # the sum may have overflowed on finite values

@@ -1,0 +1,257 @@
+"""Models: every size builds, paper sizes match published parameter counts (on the meta device),
+tiny sizes train on CPU, and the Lightning tasks fit, validate and test."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssfusion_lightning.data import SyntheticImages, SyntheticTokens
+from ssfusion_lightning.models import (
+    ImageClassifier,
+    LanguageModel,
+    available_models,
+    available_sizes,
+    build_model,
+)
+from ssfusion_lightning.models.tasks import build_lr_schedule, build_optimizer
+
+IMAGE_MODELS = ("resnet18", "resnet50", "resnet152", "vgg16", "vgg19", "vit")
+TOKEN_MODELS = ("gpt2", "bert", "lstm")
+
+# Published parameter counts of the paper sizes (ImageNet-1k heads at 224px; GPT-2 and BERT with tied heads).
+PAPER_COUNTS = {
+    ("resnet18", "imagenet"): 11.69e6,
+    ("resnet50", "imagenet"): 25.56e6,
+    ("resnet152", "imagenet"): 60.19e6,
+    ("vgg16", "imagenet"): 138.36e6,
+    ("vgg19", "imagenet"): 143.67e6,
+    ("vit", "base"): 86.6e6,
+    ("vit", "large"): 304.3e6,
+    ("gpt2", "small"): 124.4e6,
+    ("gpt2", "medium"): 354.8e6,
+    ("gpt2", "large"): 774.0e6,
+    ("bert", "base"): 110e6,
+    ("bert", "large"): 336e6,
+}
+
+
+def count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def all_sizes() -> list[tuple[str, str]]:
+    return [(name, size) for name in available_models() for size in available_sizes(name)]
+
+
+def test_registry_lists_every_model():
+    assert sorted(available_models()) == sorted(IMAGE_MODELS + TOKEN_MODELS)
+    assert available_sizes("gpt2") == ["tiny", "small", "medium", "large"]
+    assert available_sizes("vit") == ["tiny", "small", "base", "large"]
+    assert available_sizes("bert") == ["tiny", "base", "large"]
+    assert all(available_sizes(name)[0] == "tiny" for name in available_models())
+
+
+@pytest.mark.parametrize(("name", "size"), all_sizes(), ids=lambda value: str(value))
+def test_every_size_builds_on_meta(name, size):
+    with torch.device("meta"):
+        model = build_model(name, size)
+    assert count(model) > 0
+    assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize(("name", "size"), sorted(PAPER_COUNTS), ids=lambda value: str(value))
+def test_paper_parameter_counts(name, size):
+    with torch.device("meta"):
+        model = build_model(name, size)
+    assert count(model) == pytest.approx(PAPER_COUNTS[name, size], rel=0.02)
+
+
+def test_lstm_paper_size():
+    with torch.device("meta"):
+        model = build_model("lstm", "large")
+    assert model.embedding.num_embeddings == 33278 and model.embedding.embedding_dim == 1500
+    assert model.lstm.num_layers == 2 and model.lstm.hidden_size == 1500
+    # The embedding table and the decoder hold ~3/4 of the parameters: the sparse-gradient case.
+    assert model.embedding.weight.numel() / count(model) > 0.35
+
+
+@pytest.mark.parametrize("name", IMAGE_MODELS)
+def test_tiny_image_models_train_on_cpu(name):
+    torch.manual_seed(0)
+    model = build_model(name, "tiny")
+    images, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    logits = model(images)
+    assert logits.shape == (4, 10)
+    F.cross_entropy(logits, labels).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", TOKEN_MODELS)
+def test_tiny_token_models_train_on_cpu(name):
+    torch.manual_seed(0)
+    model = build_model(name, "tiny")
+    tokens = torch.randint(0, 256, (4, 64))
+    logits = model(tokens)
+    assert logits.shape == (4, 64, 256)
+    F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_overrides_replace_size_arguments():
+    model = build_model("resnet18", "tiny", num_classes=7, in_channels=1)
+    assert model(torch.randn(2, 1, 28, 28)).shape == (2, 7)
+    model = build_model("vit", "tiny", image_size=16, patch_size=8, num_classes=3)
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 3)
+    model = build_model("gpt2", "tiny", vocab_size=100)
+    assert model(torch.randint(0, 100, (1, 5))).shape == (1, 5, 100)
+
+
+def test_imagenet_stems_downsample():
+    resnet = build_model("resnet50", "tiny", stem="imagenet")
+    assert resnet(torch.randn(1, 3, 64, 64)).shape == (1, 10)
+    vgg = build_model("vgg16", "tiny", classifier_dim=32)
+    assert vgg(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_factory_errors_name_the_valid_choices():
+    with pytest.raises(ValueError, match="unknown model 'resnet19'; valid choices: bert, gpt2, lstm, resnet152"):
+        build_model("resnet19")
+    with pytest.raises(ValueError, match="unknown size 'huge' for model 'gpt2'; valid choices: tiny, small, medium"):
+        build_model("gpt2", "huge")
+    with pytest.raises(ValueError, match="unknown option.*depthh.*'vit'.*patch_size"):
+        build_model("vit", "tiny", depthh=3)
+
+
+def test_gpt2_is_causal_and_tied():
+    torch.manual_seed(0)
+    model = build_model("gpt2", "tiny").eval()
+    tokens = torch.randint(0, 256, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10] = (tokens[0, 10] + 1) % 256
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    torch.testing.assert_close(before[:, :10], after[:, :10])
+    assert not torch.allclose(before[:, 10:], after[:, 10:])
+    assert count(model) == count(build_model("gpt2", "tiny", vocab_size=257)) - 64  # one tied row per token
+    with pytest.raises(ValueError, match="exceeds max_positions 128"):
+        model(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_bert_is_bidirectional():
+    torch.manual_seed(0)
+    model = build_model("bert", "tiny").eval()
+    tokens = torch.randint(0, 256, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10] = (tokens[0, 10] + 1) % 256
+    with torch.no_grad():
+        assert not torch.allclose(model(tokens)[:, :10], model(changed)[:, :10])
+
+
+def test_lstm_tied_weights():
+    model = build_model("lstm", "tiny", tie_weights=True)
+    assert model.decoder.weight is model.embedding.weight
+    with pytest.raises(ValueError, match="tie_weights"):
+        build_model("lstm", "tiny", embedding_dim=16, tie_weights=True)
+
+
+def test_lstm_embedding_gradient_is_row_sparse():
+    model = build_model("lstm", "tiny")
+    tokens = torch.randint(0, 10, (2, 8))
+    model(tokens).sum().backward()
+    touched = model.embedding.weight.grad.abs().sum(dim=1) > 0
+    assert set(touched.nonzero().flatten().tolist()) <= set(tokens.flatten().tolist())
+
+
+# --- optimization ---------------------------------------------------------------------------------
+
+
+def test_optimizers_leave_norms_and_biases_undecayed():
+    model = build_model("resnet18", "tiny")
+    for name in ("sgd", "adamw"):
+        optimizer = build_optimizer(model, name, lr=0.1, weight_decay=1e-4)
+        decayed, undecayed = optimizer.param_groups
+        assert decayed["weight_decay"] == 1e-4 and undecayed["weight_decay"] == 0.0
+        assert all(p.ndim == 1 for p in undecayed["params"])
+        assert len(decayed["params"]) + len(undecayed["params"]) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'; valid choices: sgd, adamw"):
+        build_optimizer(model, "lamb", lr=0.1)
+
+
+def test_lr_schedules():
+    parameter = torch.nn.Parameter(torch.zeros(1))
+
+    def rates(name: str) -> list[float]:
+        optimizer = torch.optim.SGD([parameter], lr=1.0)
+        schedule = build_lr_schedule(optimizer, name, total_steps=10, warmup_steps=2)
+        values = []
+        for _ in range(10):
+            values.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.step()
+        return values
+
+    assert rates("constant") == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    cosine = rates("cosine")
+    assert cosine[:3] == [0.5, 1.0, 1.0] and cosine[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert all(a >= b for a, b in zip(cosine[1:], cosine[2:]))
+    with pytest.raises(ValueError, match="unknown lr schedule 'step'"):
+        build_lr_schedule(torch.optim.SGD([parameter], lr=1.0), "step", total_steps=10)
+
+
+def test_task_rejects_unknown_optimizer():
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
+        ImageClassifier(build_model("vit", "tiny"), num_classes=10, optimizer="adam")
+
+
+# --- Lightning tasks ------------------------------------------------------------------------------
+
+
+def fit_and_test(task: L.LightningModule, datamodule: L.LightningDataModule) -> dict[str, float]:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        limit_test_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(task, datamodule=datamodule)
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    metrics.update(trainer.test(task, datamodule=datamodule, verbose=False)[0])
+    return metrics
+
+
+def test_image_classifier_fits():
+    L.seed_everything(0, verbose=False)
+    data = SyntheticImages(train_samples=64, val_samples=16, test_samples=16, batch_size=8)
+    task = ImageClassifier(
+        build_model("resnet18", "tiny"), num_classes=data.num_classes, lr=0.05, lr_schedule="cosine", warmup_steps=1
+    )
+    metrics = fit_and_test(task, data)
+    assert {"train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc"} <= set(metrics)
+    assert 0.0 <= metrics["val/acc"] <= 1.0 and math.isfinite(metrics["train/loss"])
+    assert task.hparams["lr"] == 0.05 and "model" not in task.hparams
+
+
+@pytest.mark.parametrize(("name", "objective"), [("gpt2", "causal"), ("lstm", "causal"), ("bert", "mlm")])
+def test_language_model_fits(name, objective):
+    L.seed_everything(0, verbose=False)
+    data = SyntheticTokens(
+        vocab_size=64, seq_len=16, objective=objective, train_samples=64, val_samples=16, test_samples=16, batch_size=8
+    )
+    task = LanguageModel(build_model(name, "tiny", vocab_size=data.vocab_size), lr=1e-3)
+    metrics = fit_and_test(task, data)
+    assert {"train/loss", "val/loss", "val/ppl", "test/loss", "test/ppl"} <= set(metrics)
+    # An untrained model guesses near-uniformly: perplexity near the vocabulary size, and exp(loss).
+    assert 1.0 < metrics["val/ppl"] < 4 * data.vocab_size
+    assert metrics["test/ppl"] == pytest.approx(math.exp(metrics["test/loss"]), rel=0.05)

@@ -1,0 +1,265 @@
+"""SSFusionStrategy under Lightning's own DDP test patterns, checkpoints and lifecycle."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.demos.boring_classes import BoringModel, ManualOptimBoringModel, RandomDataset
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import DataLoader
+
+import ssfusion_lightning as ssf
+from tests.workloads import Regressor, make_trainer, regression_data
+
+SPARSE = dict(sparsifier="topk", density=0.05, fusion="ahead", comm="hybrid", offload="none", process_groups=2)
+
+
+# ---------------------------------------------------------------- construction (no ranks needed)
+def test_registry_holds_the_system_presets():
+    for name in ("ssfusion", "ssfusion_spawn", "safusion", "adtopk", "zen", "oktopk"):
+        assert name in StrategyRegistry
+        assert StrategyRegistry[name]["strategy"] is ssf.SSFusionStrategy
+    assert StrategyRegistry["ssfusion_spawn"]["init_params"]["start_method"] == "spawn"
+    assert StrategyRegistry["zen"]["init_params"]["comm"] == "zen"
+
+
+def test_registration_is_idempotent():
+    import importlib
+
+    importlib.reload(ssf)
+    ssf.SSFusionStrategy.register_strategies(StrategyRegistry)
+    assert "ssfusion" in StrategyRegistry
+
+
+def test_strategy_string_reaches_the_trainer():
+    trainer = L.Trainer(strategy="ssfusion", accelerator="cpu", devices=2, logger=False)
+    strategy = trainer.strategy
+    assert isinstance(strategy, ssf.SSFusionStrategy)
+    assert (strategy.fusion_name, strategy.comm_name, strategy.offload) == ("selective", "hybrid", "auto")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sparsifier": "bogus"}, "unknown sparsifier 'bogus'; valid choices:"),
+        ({"fusion": "sideways"}, "unknown fusion policy 'sideways'; valid choices:"),
+        ({"comm": "pigeon"}, "unknown comm 'pigeon'; valid choices:"),
+        ({"memory": "goldfish"}, "unknown memory 'goldfish'; valid choices:"),
+        ({"offload": "gpu"}, "unknown offload 'gpu'; valid choices: auto, none, stream, thread"),
+        ({"density": 0.0}, "0 < density <= 1, got 0.0"),
+        ({"density": 1.5}, "0 < density <= 1, got 1.5"),
+        ({"buffer_mb": -1}, "buffer_mb must be a positive number, got -1"),
+        ({"process_groups": 0}, "process_groups must be an integer >= 1, got 0"),
+        ({"warmup_steps": -2}, "warmup_steps must be an integer >= 0, got -2"),
+    ],
+)
+def test_bad_arguments_name_the_value_and_the_choices(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        ssf.SSFusionStrategy(**{**SPARSE, **kwargs})
+    assert message in str(error.value)
+
+
+def test_unknown_keyword_is_an_error():
+    with pytest.raises(TypeError, match="bucket_view"):
+        ssf.SSFusionStrategy(gradient_as_bucket_view=True)
+
+
+def test_strategy_pickles_before_setup():
+    strategy = ssf.SSFusionStrategy(**SPARSE)
+    clone = pickle.loads(pickle.dumps(strategy))
+    assert clone.comm_name == "hybrid" and clone.engine is None
+
+
+# ---------------------------------------------------------------- gradients in sync (Lightning's DDP test)
+class GradSumModel(BoringModel):
+    def on_before_optimizer_step(self, optimizer):
+        total = sum(p.grad.sum() for p in self.parameters() if p.grad is not None)
+        self.log("grad_sum_min", total, sync_dist=True, reduce_fx="min")
+        self.log("grad_sum_max", total, sync_dist=True, reduce_fx="max")
+
+
+def grads_in_sync_run(kwargs):
+    L.seed_everything(1, verbose=False)
+    trainer = make_trainer(ssf.SSFusionStrategy(**kwargs), 4)
+    trainer.fit(GradSumModel())
+    metrics = trainer.callback_metrics
+    return float(metrics["grad_sum_min"]), float(metrics["grad_sum_max"])
+
+
+@pytest.mark.parametrize("kwargs", [dict(SPARSE, sparsifier="none"), SPARSE], ids=["dense", "topk"])
+def test_gradients_are_in_sync(pool2, kwargs):
+    for low, high in pool2.run(grads_in_sync_run, kwargs):
+        assert low == high
+
+
+# ---------------------------------------------------------------- BoringModel: fit / validate / test / predict
+class LoggingBoringModel(BoringModel):
+    def validation_step(self, batch, batch_idx):
+        loss = self.step(batch)
+        self.log("val_loss", loss, sync_dist=True)
+        return {"x": loss}
+
+    def test_step(self, batch, batch_idx):
+        loss = self.step(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return {"y": loss}
+
+
+def boring_lifecycle_run():
+    L.seed_everything(2, verbose=False)
+    model = LoggingBoringModel()
+    trainer = make_trainer(ssf.SSFusionStrategy(**SPARSE), 3, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2)
+    trainer.fit(model)
+    strategy = trainer.strategy
+    torn_down = strategy.engine is None and not strategy._groups
+    hooks_left = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    validated = trainer.validate(model, verbose=False)
+    tested = trainer.test(model, verbose=False)
+    predicted = trainer.predict(model, DataLoader(RandomDataset(32, 8), batch_size=2))
+    return torn_down, hooks_left, validated, tested, len(predicted)
+
+
+def test_boring_model_fit_validate_test_predict(pool2):
+    for torn_down, hooks_left, validated, tested, predicted in pool2.run(boring_lifecycle_run):
+        assert torn_down and hooks_left == 0
+        assert "val_loss" in validated[0] and "test_loss" in tested[0]
+        assert predicted == 2
+
+
+# ---------------------------------------------------------------- manual optimization, bf16, clipping
+def special_modes_run():
+    results = {}
+    L.seed_everything(3, verbose=False)
+    model = ManualOptimBoringModel()
+    before = [p.detach().clone() for p in model.parameters()]
+    make_trainer(ssf.SSFusionStrategy(**SPARSE), 3).fit(model)
+    results["manual_moved"] = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for mode, kwargs in {"bf16": {"precision": "bf16-mixed"}, "clip": {"gradient_clip_val": 1e-3}}.items():
+        L.seed_everything(3, verbose=False)
+        model = Regressor()
+        make_trainer(ssf.SSFusionStrategy(**SPARSE), 3, **kwargs).fit(model, DataLoader(regression_data(), batch_size=16))
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        results[mode] = (torch.isfinite(flat).all().item(), flat)
+    return results
+
+
+def test_manual_optimization_bf16_and_clipping(pool2):
+    per_rank = pool2.run(special_modes_run)
+    for results in per_rank:
+        assert results["manual_moved"]
+        assert results["bf16"][0] and results["clip"][0]
+    for mode in ("bf16", "clip"):
+        assert torch.equal(per_rank[0][mode][1], per_rank[1][mode][1]), f"{mode}: ranks differ"
+
+
+def world_size_one_run():
+    L.seed_everything(4, verbose=False)
+    model = Regressor()
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    make_trainer(ssf.SSFusionStrategy(**SPARSE), 3).fit(model, DataLoader(regression_data(), batch_size=16))
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return not torch.equal(before, after)
+
+
+def test_world_size_one(rank_pools):
+    assert rank_pools(1).run(world_size_one_run) == [True]
+
+
+# ---------------------------------------------------------------- checkpoints
+class Scheduled(Regressor):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)]
+
+
+class EngineStateAtEnd(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        self.state = trainer.strategy.engine.state_dict()
+
+
+def checkpoint_run(directory: str, steps: int, resume_steps: int | None, kwargs: dict):
+    """Train ``steps``; or train to ``resume_steps``, save, and resume to ``steps`` in a new Trainer."""
+    loader = lambda: DataLoader(regression_data(), batch_size=16, shuffle=True)  # noqa: E731
+    L.seed_everything(5, verbose=False)
+    model = Scheduled()
+    end = EngineStateAtEnd()
+    if resume_steps is None:
+        trainer = make_trainer(ssf.SSFusionStrategy(**kwargs), steps, max_epochs=-1, callbacks=[end])
+        trainer.fit(model, loader())
+    else:
+        first = make_trainer(ssf.SSFusionStrategy(**kwargs), resume_steps, max_epochs=-1)
+        first.fit(model, loader())
+        path = os.path.join(directory, "mid.ckpt")
+        first.save_checkpoint(path)
+        dist.barrier()
+        L.seed_everything(5, verbose=False)
+        model = Scheduled()
+        trainer = make_trainer(ssf.SSFusionStrategy(**kwargs), steps, max_epochs=-1, callbacks=[end])
+        trainer.fit(model, loader(), ckpt_path=path)
+    engine_state = end.state
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    return params, engine_state, lr
+
+
+@pytest.mark.parametrize("kwargs", [SPARSE, dict(SPARSE, fusion="layerwise", comm="allgather")], ids=["ahead-hybrid", "layerwise-allgather"])
+def test_resume_gives_the_same_trajectory(pool2, tmp_path, kwargs):
+    straight = pool2.run(checkpoint_run, str(tmp_path), 8, None, kwargs)
+    resumed = pool2.run(checkpoint_run, str(tmp_path), 8, 3, kwargs)
+    for (p1, s1, lr1), (p2, s2, lr2) in zip(straight, resumed):
+        assert torch.equal(p1, p2)
+        assert lr1 == lr2 == 0.05 * 0.5**4
+        assert s1["step"] == s2["step"] == 8
+        residuals1, residuals2 = s1["memory"]["residuals"], s2["memory"]["residuals"]
+        assert residuals1.keys() == residuals2.keys() and residuals1
+        for key in residuals1:
+            assert torch.equal(residuals1[key], residuals2[key]), key
+
+
+def resume_on_other_world_size(directory: str, kwargs: dict):
+    import warnings
+
+    L.seed_everything(5, verbose=False)
+    end = EngineStateAtEnd()
+    trainer = make_trainer(ssf.SSFusionStrategy(**kwargs), 5, max_epochs=-1, callbacks=[end])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Scheduled(), DataLoader(regression_data(), batch_size=16), ckpt_path=os.path.join(directory, "mid.ckpt"))
+    warned = any("world size 2, now 3" in str(w.message) for w in caught)
+    return end.state["step"], warned, end.state["memory"]
+
+
+def test_world_size_change_resets_residuals_with_a_warning(pool2, pool3, tmp_path):
+    pool2.run(checkpoint_run, str(tmp_path), 4, 3, SPARSE)
+    results = pool3.run(resume_on_other_world_size, str(tmp_path), SPARSE)
+    assert [step for step, _, _ in results] == [5, 5, 5]
+    assert results[0][1], "rank 0 must warn about the reset"
+
+
+
+# ---------------------------------------------------------------- logging
+def logged_metrics_run(directory: str):
+    L.seed_everything(6, verbose=False)
+    logger = CSVLogger(directory, name="run")
+    trainer = make_trainer(ssf.SSFusionStrategy(**SPARSE), 4, logger=logger, log_every_n_steps=1)
+    trainer.fit(Regressor(), DataLoader(regression_data(), batch_size=16))
+    logger.finalize("success")
+    return logger.log_dir if dist.get_rank() == 0 else None
+
+
+def test_communication_metrics_reach_the_logger(pool2, tmp_path):
+    import csv
+
+    log_dir = pool2.run(logged_metrics_run, str(tmp_path))[0]
+    with open(os.path.join(log_dir, "metrics.csv")) as handle:
+        rows = [r for r in csv.DictReader(handle) if r.get("ssfusion/bytes_sent")]
+    assert len(rows) >= 3
+    for row in rows:
+        assert 0 < float(row["ssfusion/bytes_sent"]) < float(row["ssfusion/dense_equivalent_bytes"])
+        assert float(row["ssfusion/sparse_tensors"]) > 0
