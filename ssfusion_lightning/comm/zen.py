@@ -45,38 +45,39 @@ _HASH_CHUNK = 1 << 22  # elements hashed at a time when building partitions (bou
 
 
 # --------------------------------------------------------------------------- hashing
-def _mul32(h: Tensor, c: int) -> Tensor:
-    """(h * c) mod 2^32 for 0 <= h < 2^32 in int64 arithmetic without any overflow."""
-    lo = h * (c & 0xFFFF)  # < 2^48
-    hi = ((h * (c >> 16)) & 0xFFFF) << 16  # < 2^32
-    return (lo + hi) & _M32
+def _mix32(h: Tensor) -> Tensor:
+    """In place: a 32-bit xorshift-multiply finalizer on int64 holding values in [0, 2^32).
 
-
-def _fmix32(h: Tensor) -> Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
+    Both multipliers are odd and below 2^31, so every product stays below 2^63: no int64
+    overflow, hence the same bits on every rank and device.
+    """
+    h ^= h >> 16
+    h *= 0x7FEB352D
+    h &= _M32
+    h ^= h >> 15
+    h *= 0x5BD1E995
+    h &= _M32
+    h ^= h >> 16
+    return h
 
 
 def zen_hash(indices: Tensor, seed: int = DEFAULT_SEED) -> Tensor:
-    """h0: a seeded 32-bit integer hash (murmur3's finalizer) of non-negative int64 indices.
-
-    Plain int64 tensor ops with no overflow, so it is bit-identical on every rank and device.
-    """
+    """h0: a seeded 32-bit integer hash of non-negative int64 indices (values in [0, 2^32))."""
     x = indices.to(torch.int64)
     s = seed & _M32
-    h = (x & _M32) ^ s
+    h = _mix32((x & _M32) ^ s)
     high = x >> 32
     if bool((high != 0).any()):
-        h = h ^ _fmix32((high & _M32) ^ ((s * 0x9E3779B1) & _M32))
-    return _fmix32(h)
+        h ^= _mix32((high & _M32) ^ ((s * 0x9E3779B1) & _M32))
+        h = _mix32(h)
+    return h
 
 
 def zen_owner(indices: Tensor, world: int, seed: int = DEFAULT_SEED) -> Tensor:
-    """The owner rank (int64) of every index."""
-    return zen_hash(indices, seed) % world
+    """The owner rank (int64) of every index: floor(h0 * P / 2^32) (uniform, no division)."""
+    h = zen_hash(indices, seed)
+    h *= world
+    return h >> 32
 
 
 class ZenPartition:

@@ -235,28 +235,66 @@ def search_threshold(
     """Move ``threshold`` until ``lo <= count <= hi`` or ``rounds`` adjustments are spent.
 
     Multiplicative steps (``down`` when too few are selected, ``up`` when too many) until the
-    target is bracketed, then bisection inside the bracket, so the search converges on any
-    distribution instead of oscillating. Returns the last threshold and its exact count.
+    target is bracketed by a too-low and a too-high threshold; from the second unbracketed step
+    on, the step is extrapolated from the last two probes (log count linear in log threshold)
+    and clamped between one and four plain steps, so a fit thrown off by an outlier does not
+    need a dozen halvings. Once bracketed, each round interpolates the same way to the band's
+    geometric centre, kept inside the middle 80% of the bracket so it always shrinks. Returns
+    the last threshold and its exact count.
     """
     count = candidates.count(threshold)
-    too_high: float | None = None  # a threshold known to select fewer than lo
-    too_low: float | None = None  # a threshold known to select more than hi
+    too_low: tuple[float, int] | None = None  # (threshold, count) with count > hi
+    too_high: tuple[float, int] | None = None  # (threshold, count) with count < lo
+    target = math.sqrt(max(lo, 0.5) * max(hi, 0.5))
+    previous: tuple[float, int] | None = None
     for _ in range(rounds):
         if lo <= count <= hi or math.isnan(threshold):
             break
         if count < lo:
-            too_high = threshold
-            threshold = 0.5 * (threshold + too_low) if too_low is not None else threshold * down
+            too_high = (threshold, count)
         else:
-            too_low = threshold
-            if too_high is not None:
-                threshold = 0.5 * (threshold + too_high)
-            elif threshold > 0:
-                threshold = threshold * up
-            else:
-                break  # everything nonzero is selected already: only trimming can help
+            too_low = (threshold, count)
+        if too_low is not None and too_high is not None:
+            new = _interpolate(too_low, too_high, target)
+        elif count < lo:
+            new = _extrapolate(previous, (threshold, count), target, down)
+        elif threshold > 0:
+            new = _extrapolate(previous, (threshold, count), target, up)
+        else:
+            break  # everything nonzero is selected already: only trimming can help
+        previous = (threshold, count)
+        threshold = new
         count = candidates.count(threshold)
     return threshold, count
+
+
+def _extrapolate(previous: tuple[float, int] | None, current: tuple[float, int], target: float, factor: float) -> float:
+    """The next unbracketed threshold: ``factor`` times the current one, or the log-log secant
+    through the last two probes when that goes further (at most ``factor ** 4``)."""
+    t, c = current
+    plain = t * factor
+    if previous is None:
+        return plain
+    t_p, c_p = previous
+    if not (t > 0 and t_p > 0 and c > 0 and c_p > 0 and t != t_p and c != c_p):
+        return plain
+    slope = (math.log(c) - math.log(c_p)) / (math.log(t) - math.log(t_p))
+    if not slope < 0:
+        return plain
+    log_ratio = (math.log(target) - math.log(c)) / slope
+    low, high = sorted((math.log(factor), 4 * math.log(factor)))
+    return t * math.exp(min(max(log_ratio, low), high))
+
+
+def _interpolate(too_low: tuple[float, int], too_high: tuple[float, int], target: float) -> float:
+    (t_a, c_a), (t_b, c_b) = too_low, too_high
+    if not (t_a > 0 and t_b > t_a and c_b > 0 and c_a > c_b):
+        return 0.5 * (t_a + t_b)
+    x_a, x_b = math.log(t_a), math.log(t_b)
+    y_a, y_b = math.log(c_a), math.log(c_b)
+    x = x_a + (math.log(target) - y_a) * (x_b - x_a) / (y_b - y_a)
+    x = min(max(x, x_a + 0.1 * (x_b - x_a)), x_a + 0.9 * (x_b - x_a))
+    return math.exp(x)
 
 
 # --------------------------------------------------------------------------- moments without big temporaries

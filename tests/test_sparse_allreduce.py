@@ -1,0 +1,443 @@
+"""Sparse allreduce schemes (allgather, zen, sparcml) and Ok-Topk on 2, 3 and 4 gloo ranks.
+
+Inputs are generated here, in the test process, and shipped to the ranks; each rank returns its
+result as (nonzero positions, values) so large outputs stay cheap to compare. The byte formulas
+are written out here independently of the implementation (only the hash is shared).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ssfusion_lightning.comm import SPARSE_SCHEMES, Traffic, sparse_allreduce
+from ssfusion_lightning.comm.oktopk import OkTopkCommunicator, OkTopkState, oktopk_reduce
+from ssfusion_lightning.comm.zen import ZenCommunicator, pack_bits, unpack_bits, zen_owner, zen_partition
+
+SCHEMES = ("allgather", "zen", "sparcml")
+PATTERNS = ("random", "identical", "disjoint", "skewed", "empty")
+X = 8  # bytes per index on the wire
+
+
+# ----------------------------------------------------------------------------- inputs
+def make_inputs(world, pattern, numel, k, index_dtype, value_dtype, empty_ranks, seed, integer_values=True):
+    """Per-rank (values, indices): distinct indices in [0, numel), ``k`` per rank (fewer if needed)."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(k, numel)
+    if pattern == "random":
+        sets = [torch.randperm(numel, generator=g)[:k] for _ in range(world)]
+    elif pattern == "identical":
+        sets = [torch.randperm(numel, generator=g)[:k]] * world
+    elif pattern == "disjoint":
+        perm = torch.randperm(numel, generator=g)
+        share = min(k, numel // world)
+        sets = [perm[r * share : (r + 1) * share] for r in range(world)]
+    elif pattern == "skewed":  # everything in the front 2% of the tensor (at least k wide)
+        front = max(k, numel // 50)
+        sets = [torch.randperm(front, generator=g)[:k] for _ in range(world)]
+    elif pattern == "empty":
+        sets = [torch.empty(0, dtype=torch.int64)] * world
+    else:
+        raise ValueError(pattern)
+    out = []
+    for r, idx in enumerate(sets):
+        if r in empty_ranks:
+            idx = idx[:0]
+        if integer_values:
+            vals = torch.randint(-4, 5, (idx.numel(),), generator=g).to(value_dtype)
+        else:
+            vals = torch.randn(idx.numel(), generator=g).to(value_dtype)
+        out.append((vals, idx.to(index_dtype).clone()))
+    return out
+
+
+def dense_sum(inputs, numel):
+    """Reference: scatter every rank's contribution densely and sum in float64."""
+    total = torch.zeros(numel, dtype=torch.float64)
+    for vals, idx in inputs:
+        total.index_add_(0, idx.to(torch.int64), vals.to(torch.float64))
+    return total
+
+
+def sparse_view(dense):
+    nz = torch.nonzero(dense != 0).view(-1)
+    return nz, dense[nz]
+
+
+# ----------------------------------------------------------------------------- byte formulas
+def allgather_bytes(inputs, rank, vbytes):
+    world = len(inputs)
+    counts = [v.numel() for v, _ in inputs]
+    small = (world - 1) * 8
+    pair = vbytes + X
+    return small + (world - 1) * counts[rank] * pair, small + (sum(counts) - counts[rank]) * pair
+
+
+def zen_bytes(inputs, rank, vbytes, total):
+    """Push: pairs whose owner is another rank; pull: the owner's bitmap (|I_j|/8 bytes + K_j values)
+    or COO (K_j (x+v)), whichever is smaller; two count exchanges of 8 bytes per peer."""
+    world = len(inputs)
+    numel = total.numel()
+    part = zen_partition(numel, world)
+    owners = [zen_owner(idx.to(torch.int64), world) for _, idx in inputs]
+    nonzero_owner = zen_owner(torch.nonzero(total != 0).view(-1), world)
+    msg = []
+    for j in range(world):
+        K = int((nonzero_owner == j).sum())
+        bitmap, coo = math.ceil(part.sizes[j] / 8) + K * vbytes, K * (X + vbytes)
+        msg.append(bitmap if bitmap < coo else coo)
+    pair = X + vbytes
+    leaving = int((owners[rank] != rank).sum())
+    arriving = sum(int((o == rank).sum()) for r, o in enumerate(owners) if r != rank)
+    small = 2 * (world - 1) * 8
+    return small + leaving * pair + (world - 1) * msg[rank], small + arriving * pair + sum(msg) - msg[rank]
+
+
+def sparcml_bytes(inputs, rank, vbytes, acc_bytes):
+    """Recursive doubling over P' = 2^floor(log2 P) ranks after folding the extra ones; every message
+    is an 8-byte header plus the sender's current union (raw values at v, partial sums at fp32)."""
+    world = len(inputs)
+    sets = [set(idx.tolist()) for _, idx in inputs]
+    summed = [False] * world
+    sent, recv = [0] * world, [0] * world
+
+    def msg(a, b, n, v):
+        sent[a] += 8 + n * (X + v)
+        recv[b] += 8 + n * (X + v)
+
+    core = 1 << int(math.log2(world))
+    extra = world - core
+    for odd in range(1, 2 * extra, 2):
+        msg(odd, odd - 1, len(sets[odd]), acc_bytes if summed[odd] else vbytes)
+        sets[odd - 1] |= sets[odd]
+        summed[odd - 1] = True
+    members = [r for r in range(world) if not (r < 2 * extra and r % 2)]
+    step = 1
+    while step < core:
+        new = {}
+        for c, r in enumerate(members):
+            p = members[c ^ step]
+            msg(r, p, len(sets[r]), acc_bytes if summed[r] else vbytes)
+            new[r] = sets[r] | sets[p]
+        for r in new:
+            sets[r], summed[r] = new[r], True
+        step *= 2
+    for odd in range(1, 2 * extra, 2):
+        msg(odd - 1, odd, len(sets[odd - 1]), vbytes)
+    return sent[rank], recv[rank]
+
+
+# ----------------------------------------------------------------------------- rank functions
+def run_schemes(inputs, numel):
+    rank = dist.get_rank()
+    values, indices = inputs[rank]
+    out = {}
+    for scheme in SCHEMES:
+        total = sparse_allreduce(values, indices, numel, scheme=scheme)
+        traffic = Traffic()
+        again = SPARSE_SCHEMES.get(scheme)(values, indices.to(torch.int64), numel, None, traffic)
+        assert torch.equal(total, again)
+        assert total.dtype == values.dtype and total.shape == (numel,)
+        nz, vals = sparse_view(total)
+        out[scheme] = (nz, vals, traffic)
+    return out
+
+
+def check_schemes(world, inputs, numel, exact=True):
+    results = POOLS[world].run(run_schemes, inputs, numel)
+    reference = dense_sum(inputs, numel)
+    vdtype = inputs[0][0].dtype
+    vbytes = torch.tensor([], dtype=vdtype).element_size()
+    expected_nz, expected_vals = sparse_view(reference.to(vdtype) if exact else reference)
+    for scheme in SCHEMES:
+        nz0, vals0, _ = results[0][scheme]
+        for rank, res in enumerate(results):
+            nz, vals, traffic = res[scheme]
+            # bitwise identical on every rank
+            assert torch.equal(nz, nz0) and torch.equal(vals, vals0), f"{scheme}: rank {rank} differs from rank 0"
+            if scheme == "allgather":
+                formula = allgather_bytes(inputs, rank, vbytes)
+            elif scheme == "zen":
+                formula = zen_bytes(inputs, rank, vbytes, reference)
+            else:
+                formula = sparcml_bytes(inputs, rank, vbytes, 4)
+            assert (traffic.sent, traffic.received) == formula, f"{scheme}: rank {rank} bytes != formula"
+            if scheme != "allgather":  # no padding in zen and sparcml
+                assert (traffic.padded_sent, traffic.padded_received) == formula
+        if exact:
+            assert torch.equal(nz0, expected_nz), f"{scheme}: wrong support"
+            assert torch.equal(vals0, expected_vals), f"{scheme}: wrong sums"
+        else:
+            dense = torch.zeros(numel, dtype=torch.float64)
+            dense[nz0] = vals0.to(torch.float64)
+            torch.testing.assert_close(dense, reference, rtol=1e-5, atol=1e-5)
+
+
+POOLS: dict[int, object] = {}
+
+
+@pytest.fixture
+def pools(pool2, pool3, pool4):
+    POOLS.update({2: pool2, 3: pool3, 4: pool4})
+    return POOLS
+
+
+@st.composite
+def cases(draw):
+    world = draw(st.sampled_from([2, 3, 4]))
+    pattern = draw(st.sampled_from(PATTERNS))
+    exponent = draw(st.integers(0, 19))
+    numel = draw(st.integers(2**exponent, min(2 ** (exponent + 1) - 1, 1_000_000)))
+    density = draw(st.sampled_from([0.001, 0.01, 0.1, 0.5, 1.0]))
+    k = max(1, min(4000, int(density * numel)))
+    index_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    value_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    empty_ranks = draw(st.sets(st.integers(0, world - 1), max_size=world - 1))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return world, pattern, numel, k, index_dtype, value_dtype, empty_ranks, seed
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_sparse_allreduce_equals_dense_sum(pools, case):
+    world, pattern, numel, k, index_dtype, value_dtype, empty_ranks, seed = case
+    inputs = make_inputs(world, pattern, numel, k, index_dtype, value_dtype, empty_ranks, seed)
+    check_schemes(world, inputs, numel)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world=st.sampled_from([2, 3, 4]),
+    pattern=st.sampled_from(PATTERNS[:4]),
+    numel=st.integers(1, 200_000),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sparse_allreduce_random_fp32_values(pools, world, pattern, numel, seed):
+    """Non-integer values: close to the exact sum, still bitwise identical on every rank."""
+    inputs = make_inputs(world, pattern, numel, max(1, numel // 100), torch.int64, torch.float32, set(), seed, False)
+    check_schemes(world, inputs, numel, exact=False)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_edge_cases(pools, world):
+    for pattern, numel, k in [("identical", 1, 1), ("empty", 1, 1), ("empty", 1000, 10), ("disjoint", 5, 5), ("random", 2, 2)]:
+        check_schemes(world, make_inputs(world, pattern, numel, k, torch.int32, torch.float32, set(), 7), numel)
+
+
+def test_large_tensor_bitmap_pull(pools):
+    """numel in the millions with density 1%: the pull is a bitmap (cheaper than COO)."""
+    numel = 3_000_000
+    inputs = make_inputs(4, "random", numel, 30_000, torch.int64, torch.float32, set(), 11)
+    part = zen_partition(numel, 4)
+    nonzero = torch.nonzero(dense_sum(inputs, numel) != 0).view(-1)
+    for j in range(4):
+        K = int((zen_owner(nonzero, 4) == j).sum())
+        assert math.ceil(part.sizes[j] / 8) + 4 * K < (X + 4) * K  # the bitmap branch is taken
+    check_schemes(4, inputs, numel)
+
+
+def test_bf16_sums_in_fp32_then_casts_once(pools):
+    """256 + 1 + 1 + 1 in bf16 steps stays 256; summed in fp32 it is 259 -> bf16(259) = 260."""
+    numel = 10
+    inputs = [
+        (torch.tensor([256.0, 1.0], dtype=torch.bfloat16), torch.tensor([0, 3])),
+        (torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([0])),
+        (torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([0])),
+        (torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([0])),
+    ]
+    expected = torch.tensor(259.0).to(torch.bfloat16)
+    assert float(expected) == 260.0
+    for res in pools[4].run(run_schemes, inputs, numel):
+        for scheme in SCHEMES:
+            nz, vals, _ = res[scheme]
+            assert nz.tolist() == [0, 3]
+            assert vals[0] == expected, f"{scheme}: {float(vals[0])}"
+
+
+# ----------------------------------------------------------------------------- ZEN parts
+def test_zen_load_balance_on_skewed_indices():
+    """All indices in the front 5% of a 2^22 tensor: a contiguous split puts everything on rank 0;
+    the hash keeps max/mean partition load within 1.1."""
+    numel = 1 << 22
+    g = torch.Generator().manual_seed(3)
+    for world in (2, 3, 4, 8):
+        idx = torch.cat([torch.randperm(numel // 20, generator=g)[:40_000] for _ in range(world)])
+        load = torch.bincount(zen_owner(idx, world), minlength=world).double()
+        assert float(load.max() / load.mean()) <= 1.1
+        contiguous = torch.bincount(idx * world // numel, minlength=world).double()
+        assert float(contiguous.max() / contiguous.mean()) == pytest.approx(world)
+        part = zen_partition(numel, world)
+        assert max(part.sizes) / (numel / world) <= 1.01  # the index sets I_i are balanced too
+
+
+def test_zen_partition_and_bitmap_codec():
+    numel, world = 100_003, 3
+    part = zen_partition(numel, world)
+    everything = torch.sort(torch.cat([s.to(torch.int64) for s in part.sets])).values
+    assert torch.equal(everything, torch.arange(numel))
+    for j, s in enumerate(part.sets):
+        assert torch.all(s[1:] > s[:-1])
+        assert torch.all(zen_owner(s.to(torch.int64), world) == j)
+        assert torch.equal(part.local_slots(j, s.to(torch.int64)), torch.arange(s.numel()))
+    assert zen_partition(numel, world) is part  # cached
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 7, 8, 9, 1000):
+        bits = torch.rand(n, generator=g) < 0.3
+        packed = pack_bits(bits)
+        assert packed.numel() == math.ceil(n / 8)
+        assert torch.equal(unpack_bits(packed, n), bits)
+    # the hash is the same function of the index everywhere, including past 2^32
+    big = torch.tensor([0, 1, 2**31, 2**32 + 5, 2**40 + 123], dtype=torch.int64)
+    assert torch.equal(zen_owner(big, 5), zen_owner(big.clone(), 5))
+    assert zen_owner(torch.arange(10), 4).tolist() == zen_owner(torch.arange(10, dtype=torch.int32), 4).tolist()
+
+
+def run_zen_communicator(numel, k, rounds, choice):
+    from ssfusion_lightning.comm import ChannelSet
+    from ssfusion_lightning.engine.plan import Buffer, Slot
+    from ssfusion_lightning.fusion.base import Encoded
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = ZenCommunicator(choice=choice, profile_rounds=2)
+    channels = ChannelSet([None], torch.device("cpu"))
+    buffer = Buffer(0, (Slot("w", 0, (numel,), 0, numel, True, k),), channel=0)
+    ok = []
+    try:
+        for step in range(rounds):
+            g = torch.Generator().manual_seed(100 * step)
+            sets = [torch.randperm(numel, generator=g)[:k] for _ in range(world)]
+            vals = [torch.randint(-3, 4, (k,), generator=g).float() for _ in range(world)]
+            reference = torch.zeros(numel)
+            for i, v in zip(sets, vals):
+                reference.index_add_(0, i, v)
+            reduced = comm.launch(Encoded(None, vals[rank], sets[rank]), buffer, channels).wait()
+            ok.append(torch.equal(reduced.sparse, reference) and reduced.applied is None)
+    finally:
+        channels.shutdown()
+    return ok, comm.scheme_for(f"0:{numel}"), comm.state_dict()
+
+
+@pytest.mark.parametrize("choice", ["auto", "zen", "sparcml"])
+def test_zen_communicator_chooses_and_agrees(pool3, choice):
+    results = pool3.run(run_zen_communicator, 5000, 100, 4, choice)
+    for ok, chosen, state in results:
+        assert all(ok)
+        assert chosen in ("zen", "sparcml")
+        if choice != "auto":
+            assert chosen == choice
+    assert len({chosen for _, chosen, _ in results}) == 1  # every rank picked the same scheme
+    fresh = ZenCommunicator()
+    fresh.load_state_dict(results[0][2])
+    assert fresh.scheme_for(f"0:5000") == results[0][1]
+
+
+# ----------------------------------------------------------------------------- Ok-Topk
+def topk_of_sum(inputs, numel, k):
+    total = dense_sum(inputs, numel).to(torch.float32)
+    threshold = torch.topk(total.abs(), k).values.min()
+    support = torch.nonzero(total.abs() >= threshold).view(-1)
+    return support, total[support]
+
+
+def run_oktopk(inputs, numel, k, rounds, threshold_every):
+    rank = dist.get_rank()
+    state = OkTopkState()
+    out = []
+    for step in range(rounds):
+        values, indices = inputs[step][rank]
+        traffic = Traffic()
+        total, applied = oktopk_reduce(values, indices, numel, k, None, traffic, state, threshold_every=threshold_every)
+        nz, vals = sparse_view(total)
+        out.append((nz, vals, applied, traffic, state.threshold))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("pattern", ["random", "identical", "skewed"])
+def test_oktopk_exact_threshold_gives_topk_of_sum(pools, world, pattern):
+    numel, k = 20_000, 200
+    inputs = [make_inputs(world, pattern, numel, k, torch.int64, torch.float32, set(), s, False) for s in range(3)]
+    results = pools[world].run(run_oktopk, inputs, numel, k, 3, 1)
+    for step in range(3):
+        support, sums = topk_of_sum(inputs[step], numel, k)
+        nz0, vals0, applied0, _, thr0 = results[0][step]
+        for nz, vals, applied, traffic, thr in (r[step] for r in results):
+            assert torch.equal(nz, nz0) and torch.equal(vals, vals0) and torch.equal(applied, applied0) and thr == thr0
+        assert torch.equal(applied0, support)  # exactly the top-k of the sum ...
+        assert torch.equal(nz0, support[sums != 0])
+        torch.testing.assert_close(vals0, sums, rtol=1e-5, atol=1e-6)  # ... with the summed values
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_oktopk_threshold_reuse_stays_consistent_and_cheap(pools, world):
+    numel, k, rounds = 50_000, 500, 6
+    inputs = [make_inputs(world, "random", numel, k, torch.int64, torch.float32, set(), 50 + s, False) for s in range(rounds)]
+    results = pools[world].run(run_oktopk, inputs, numel, k, rounds, 3)
+    pair = X + 4
+    for step in range(rounds):
+        nz0, vals0, applied0, _, thr0 = results[0][step]
+        for nz, vals, applied, traffic, thr in (r[step] for r in results):
+            assert torch.equal(nz, nz0) and torch.equal(vals, vals0) and torch.equal(applied, applied0) and thr == thr0
+        count = applied0.numel()
+        assert k / 2 <= count <= 2 * k, f"round {step}: {count} entries for k={k}"
+        if step % 3:  # a reuse round: within Ok-Topk's 3(P-1)/P * k(v+x) bound (plus counters)
+            mean_received = sum(r[step][3].received for r in results) / world
+            assert mean_received <= 3 * (world - 1) / world * max(k, count) * pair + 64 * world
+        # applied entries carry the exact sums of what the ranks sent there
+        reference = dense_sum(inputs[step], numel).to(torch.float32)
+        torch.testing.assert_close(vals0, reference[nz0], rtol=1e-5, atol=1e-6)
+
+
+def run_oktopk_residual(numel, k, seed):
+    """One Ok-Topk round through the communicator, then the engine's error-feedback filter."""
+    from ssfusion_lightning.comm import ChannelSet
+    from ssfusion_lightning.engine.engine import FusionEngine
+    from ssfusion_lightning.engine.plan import Buffer, Slot
+    from ssfusion_lightning.fusion.base import Encoded, PendingUpdate
+    from ssfusion_lightning.sparsifiers.memory import ResidualMemory
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed + rank)
+    compensated = torch.randn(numel, generator=g)
+    sent = torch.topk(compensated.abs(), k).indices
+    comm = OkTopkCommunicator(threshold_every=1)
+    channels = ChannelSet([None], torch.device("cpu"))
+    buffer = Buffer(0, (Slot("w", 0, (numel,), 0, numel, True, k),), channel=0)
+    encoded = Encoded(None, compensated[sent] / world, sent, [PendingUpdate("w", compensated, sent, 0)])
+    try:
+        reduced = comm.launch(encoded, buffer, channels).wait()
+    finally:
+        channels.shutdown()
+    memory = ResidualMemory()
+    FusionEngine._update_memory(SimpleNamespace(memory=memory), encoded, reduced)
+    return compensated, sent, reduced.applied, reduced.sparse, memory.residual("w").clone(), comm.state_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_oktopk_residual_keeps_everything_not_applied(pools, world):
+    numel, k = 4000, 40
+    results = pools[world].run(run_oktopk_residual, numel, k, 5)
+    applied0, update0 = results[0][2], results[0][3]
+    inputs = [(c[s] / world, s) for c, s, *_ in results]
+    support, _ = topk_of_sum(inputs, numel, k)
+    assert torch.equal(applied0, support)
+    for compensated, sent, applied, update, residual, state in results:
+        assert torch.equal(applied, applied0) and torch.equal(update, update0)
+        zeroed = sent[torch.isin(sent, applied)]
+        kept = torch.ones(numel, dtype=torch.bool)
+        kept[zeroed] = False
+        assert torch.equal(residual[kept], compensated[kept])  # sent but not applied: still owed
+        assert torch.all(residual[zeroed] == 0)
+        assert 0 < zeroed.numel() < sent.numel()  # the test covers both cases
+        assert state["buffers"]["0:4000"]["rounds"] == 1
+    restored = OkTopkCommunicator()
+    restored.load_state_dict(results[0][5])
+    again = restored.state_for("0:4000")
+    assert again.rounds == 1 and again.threshold == results[0][5]["buffers"]["0:4000"]["threshold"]
+    assert torch.equal(again.boundaries, results[0][5]["buffers"]["0:4000"]["boundaries"])
