@@ -165,6 +165,7 @@ class SSFusionStrategy(DDPStrategy):
                 buffer_bytes=self.buffer_mb * 1024 * 1024,
                 warmup_steps=self.warmup_steps,
                 find_unused_parameters=self.find_unused_parameters,
+                offload=self.offload,
             ),
         )
 
@@ -216,6 +217,10 @@ class SSFusionStrategy(DDPStrategy):
             if buffers:
                 dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 1024 * 1024, 0)
         self._buffers_due = torch.is_grad_enabled() and self.engine.sync_enabled
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.engine is not None:
+            self.engine.begin_backward()
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is None or not self.engine.sync_enabled:

@@ -203,7 +203,7 @@ def cases(draw):
     return world, pattern, numel, k, index_dtype, value_dtype, empty_ranks, seed
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases())
 def test_sparse_allreduce_equals_dense_sum(pools, case):
     world, pattern, numel, k, index_dtype, value_dtype, empty_ranks, seed = case
@@ -211,7 +211,7 @@ def test_sparse_allreduce_equals_dense_sum(pools, case):
     check_schemes(world, inputs, numel)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     world=st.sampled_from([2, 3, 4]),
     pattern=st.sampled_from(PATTERNS[:4]),
@@ -332,9 +332,10 @@ def test_zen_communicator_chooses_and_agrees(pool3, choice):
         if choice != "auto":
             assert chosen == choice
     assert len({chosen for _, chosen, _ in results}) == 1  # every rank picked the same scheme
-    fresh = ZenCommunicator()
-    fresh.load_state_dict(results[0][2])
-    assert fresh.scheme_for(f"0:5000") == results[0][1]
+    if choice == "auto":  # the agreed choice survives a checkpoint
+        fresh = ZenCommunicator()
+        fresh.load_state_dict(results[0][2])
+        assert fresh.scheme_for("0:5000") == results[0][1]
 
 
 # ----------------------------------------------------------------------------- Ok-Topk

@@ -18,7 +18,9 @@ from torch import Tensor, nn
 from ssfusion_lightning.comm import ChannelSet, Communicator, PendingReduction, Reduced
 from ssfusion_lightning.comm.channels import result
 from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
+from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link
 from ssfusion_lightning.engine.metrics import StepMetrics
+from ssfusion_lightning.engine.offload import Offloader, to_device
 from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan
 from ssfusion_lightning.fusion import CompressContext, Encoded, FusionPolicy, PlanContext
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier
@@ -29,6 +31,9 @@ class EngineConfig:
     buffer_bytes: float
     warmup_steps: int = 0
     find_unused_parameters: bool = False
+    offload: str = "none"
+    #: rounds measured before cost-driven plans (and offload="auto") are frozen
+    profile_steps: int = 3
 
 
 def dense_version(plan: Plan) -> Plan:
@@ -41,6 +46,24 @@ def dense_version(plan: Plan) -> Plan:
             offset += slot.numel
         buffers.append(replace(buffer, slots=tuple(slots)))
     return Plan(tuple(buffers))
+
+
+def offload_decisions(plan: Plan, costs: CostProfile) -> list[bool]:
+    """SSFusion-O's greedy rule, walking buffers in backward order: offload a buffer when the
+    worker is free by the time it is ready and its compression ends before the next buffer is
+    ready (the last buffer never: nothing is left to overlap it with)."""
+    ready, clock = [], 0.0
+    for buffer in plan.buffers:
+        clock += sum(costs.backward_seconds(slot.name) for slot in buffer.slots)
+        ready.append(clock)
+    flags, worker_free = [], 0.0
+    for j, buffer in enumerate(plan.buffers):
+        compress = sum(costs.compress_seconds(slot.numel) for slot in buffer.sparse_slots)
+        offload = bool(buffer.sparse_slots) and j + 1 < len(ready) and worker_free <= ready[j] and ready[j] + compress <= ready[j + 1]
+        if offload:
+            worker_free = ready[j] + compress
+        flags.append(offload)
+    return flags
 
 
 def reversed_buffers(plan: Plan, num_channels: int) -> Plan:
@@ -79,6 +102,13 @@ class FusionEngine:
         # Like DDP: the first round runs in registration order, then the plan is rebuilt once
         # from the gradient-ready order rank 0 observed (DDP skips this with find_unused_parameters).
         self._rebuild_from_ready_order = not config.find_unused_parameters
+        self.order = list(reversed(range(len(self.params))))
+        self.costs: CostProfile | None = None
+        self.offloader = Offloader(config.offload, channels.device) if config.offload != "none" else None
+        needs_profile = policy.needs_costs or config.offload == "auto"
+        self._profile_start = max(1, config.warmup_steps)
+        self._profile_end = self._profile_start + config.profile_steps if needs_profile else 0
+        self._profiler = Profiler(self.names) if needs_profile else None
         self.set_plan(reversed_buffers(self._build_plan(list(range(len(self.params)))), len(channels)))
 
     # ---------------------------------------------------------------- plan
@@ -93,7 +123,26 @@ class FusionEngine:
         self.plan = plan
         self._dense_plan = dense_version(plan)
         self._dense_storage.clear()
+        self._offload_flags = self._decide_offload(plan)
         self._reset_round()
+
+    def _decide_offload(self, plan: Plan) -> list[bool]:
+        """thread/stream: every buffer; auto: the greedy rule on agreed costs (none before them)."""
+        if self.offloader is None:
+            return [False] * len(plan.buffers)
+        if self.config.offload != "auto":
+            return [True] * len(plan.buffers)
+        if self.costs is None:
+            return [False] * len(plan.buffers)
+        return offload_decisions(plan, self.costs)
+
+    @property
+    def profiling(self) -> bool:
+        return self._profiler is not None and self._profile_start <= self.step < self._profile_end
+
+    def begin_backward(self) -> None:
+        if self.profiling and self.sync_enabled:
+            self._profiler.begin_backward()
 
     @property
     def active_plan(self) -> Plan:
@@ -130,6 +179,8 @@ class FusionEngine:
             return
         self._used[position] = True
         self._ready_order.append(position)
+        if self.profiling:
+            self._profiler.ready(self.names[position])
         self._missing[self._buffer_of[position]] -= 1
         self._launch_ready()
 
@@ -156,16 +207,37 @@ class FusionEngine:
         for slot in buffer.slots:
             param = self.params[slot.param]
             grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
+        if self.offloader is None:
+            self._pending.append(self._launch_encoded(buffer, self._compress(buffer, grads)))
+        elif self._offload_flags[buffer.index]:
+            if self.offloader.stages_on_host:
+                grads = [self.offloader.stage(slot.param, [g])[0] if slot.sparse else g for slot, g in zip(buffer.slots, grads)]
+            self._pending.append(self.offloader.submit(self._compress_and_launch, buffer, grads))
+        else:
+            # Launches still go through the worker, so channels see buffers in plan order.
+            self._pending.append(self.offloader.submit(self._launch_encoded, buffer, self._compress(buffer, grads)))
+
+    def _compress(self, buffer: Buffer, grads: list[Tensor]) -> Encoded:
         started = time.perf_counter()
-        ctx = CompressContext(self.sparsifier, self.memory, 1.0 / self.world_size)
+        on_selected = self._profiler.compressed if self.profiling else None
+        ctx = CompressContext(self.sparsifier, self.memory, 1.0 / self.world_size, on_selected)
         encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), ctx)
         self.metrics.compress_seconds += time.perf_counter() - started
+        return encoded
+
+    def _compress_and_launch(self, buffer: Buffer, grads: list[Tensor]):
+        encoded = self._compress(buffer, grads)
+        if encoded.values is not None and encoded.values.device != self.channels.device:
+            encoded = to_device(encoded, self.channels.device)
+        return self._launch_encoded(buffer, encoded)
+
+    def _launch_encoded(self, buffer: Buffer, encoded: Encoded) -> tuple[Buffer, PendingReduction, Encoded]:
         pending = self.communicator.launch(encoded, buffer, self.channels)
-        self._pending.append((buffer, pending, encoded))
         self.metrics.buffers += 1
         self.metrics.dense_tensors += len(buffer.dense_slots)
         self.metrics.sparse_tensors += len(buffer.sparse_slots)
         self.metrics.elements_sent += buffer.dense_numel + (encoded.values.numel() if encoded.values is not None else 0)
+        return buffer, pending, encoded
 
     # ---------------------------------------------------------------- write gradients
     def finish(self) -> StepMetrics:
@@ -179,7 +251,8 @@ class FusionEngine:
         usage = self._agree_on_usage() if self.config.find_unused_parameters else None
         ready_order = self._agree_on_ready_order() if self._rebuild_from_ready_order else None
         started = time.perf_counter()
-        results = [(buffer, pending.wait(), encoded) for buffer, pending, encoded in self._pending]
+        launched = [item.result() if isinstance(item, Future) else item for item in self._pending]
+        results = [(buffer, pending.wait(), encoded) for buffer, pending, encoded in launched]
         globally_used = result(usage, self.channels.device).tolist() if usage is not None else None
         self.metrics.exposed_comm_seconds += time.perf_counter() - started
         for buffer, reduced, encoded in results:
@@ -191,10 +264,21 @@ class FusionEngine:
         metrics, self.metrics = self.metrics, StepMetrics()
         if ready_order is not None:
             self._rebuild_from_ready_order = False
-            self.set_plan(self._build_plan(result(ready_order, self.channels.device).tolist()))
+            self.order = result(ready_order, self.channels.device).tolist()
+            self.set_plan(self._build_plan(self.order))
+        elif self._profiler is not None and self.step == self._profile_end:
+            self.costs = result(self.channels[0].submit(self._agree_costs), self.channels.device)
+            self._profiler = None
+            self.set_plan(self._build_plan(self.order, self.costs))
         else:
             self._reset_round()
         return metrics
+
+    def _agree_costs(self, group: dist.ProcessGroup | None) -> CostProfile:
+        """Measure the links on this group, then take every number's max over the ranks."""
+        device = self.channels.device
+        links = {name: measure_link(name, group, device) for name in ("allreduce", "allgather")}
+        return agree(self._profiler.local_vector(), self.names, links, self.world_size, group, device)
 
     def _agree_on_ready_order(self) -> Future:
         """Rank 0's gradient-ready order (parameters it never saw last, in backward order)."""
@@ -223,7 +307,7 @@ class FusionEngine:
         for update in encoded.updates:
             sent = update.sent
             if reduced.applied is not None:
-                sent = sent[torch.isin(sent + update.offset, reduced.applied)]
+                sent = sent[torch.isin(sent + update.offset, reduced.applied.to(sent.device))]
             self.memory.update(update.key, update.compensated, sent)
 
     def _count_traffic(self, buffer: Buffer, reduced: Reduced) -> None:
@@ -240,6 +324,8 @@ class FusionEngine:
         return {
             "step": self.step,
             "plan": self.plan,
+            "order": self.order,
+            "costs": self.costs,
             "sparsifier": self.sparsifier.state_dict(),
             "memory": self.memory.state_dict(),
             "communicator": self.communicator.state_dict(),
@@ -258,6 +344,10 @@ class FusionEngine:
             )
         self.step = int(state["step"])
         self._rebuild_from_ready_order = False
+        self.order = list(state["order"])
+        self.costs = state["costs"]
+        if self.step >= self._profile_end:
+            self._profiler = None
         self.set_plan(plan)
         if not per_rank:
             self.memory.reset()
@@ -269,6 +359,8 @@ class FusionEngine:
 
     def close(self) -> None:
         self.detach()
+        if self.offloader is not None:
+            self.offloader.shutdown()
         self.channels.shutdown()
 
 

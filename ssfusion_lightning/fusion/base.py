@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+import time
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import Tensor
 
 from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, Slot, cut_by_bytes
 from ssfusion_lightning.registry import Registry
-from ssfusion_lightning.sparsifiers import Memory, Sparsifier
+from ssfusion_lightning.sparsifiers import Memory, Sparsifier, k_for
 
 
 @dataclass
@@ -54,12 +55,24 @@ class CompressContext:
     sparsifier: Sparsifier
     memory: Memory
     scale: float  # 1 / world size, applied while packing as DDP does
+    #: called with (numel, seconds) for every selection while the engine profiles
+    on_selected: Callable[[int, float], None] | None = None
+
+    def select(self, compensated: Tensor, key: str, k: int) -> tuple[Tensor, Tensor]:
+        if self.on_selected is None:
+            return self.sparsifier.select(compensated, key=key, k=k)
+        started = time.perf_counter()
+        selected = self.sparsifier.select(compensated, key=key, k=k)
+        self.on_selected(compensated.numel(), time.perf_counter() - started)
+        return selected
 
 
 class FusionPolicy(ABC):
     name: ClassVar[str] = ""
     #: the plan depends on profiled costs, so it is rebuilt once they are agreed
     needs_costs: ClassVar[bool] = False
+    #: every rank sends exactly the planned count per tensor (no size exchange)
+    aligned: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         if options:
@@ -78,7 +91,9 @@ class FusionPolicy(ABC):
                 torch.mul(grad.reshape(-1), ctx.scale, out=dense_out[slot.offset : slot.offset + slot.numel])
                 continue
             compensated = ctx.memory.compensate(slot.name, grad)
-            v, i = ctx.sparsifier.select(compensated, key=slot.name, k=slot.k)
+            v, i = ctx.select(compensated, slot.name, slot.k)
+            if self.aligned:
+                v, i = exact_count(v, i, compensated.reshape(-1), slot.k)
             values.append(v * ctx.scale)
             indices.append(i + slot.offset)
             updates.append(PendingUpdate(slot.name, compensated, i, slot.offset))
@@ -87,9 +102,22 @@ class FusionPolicy(ABC):
             values=torch.cat(values) if values else None,
             indices=torch.cat(indices) if indices else None,
             updates=updates,
-            equal_counts=False,
+            equal_counts=self.aligned,
             shared_indices=ctx.sparsifier.shared_indices,
         )
+
+
+def exact_count(values: Tensor, indices: Tensor, flat: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """SAFusion alignment: trim a larger selection to its k largest magnitudes; replace a smaller
+    one by the exact top-k, so every rank contributes exactly k elements for this tensor."""
+    count = values.numel()
+    if count == k:
+        return values, indices
+    if count > k:
+        keep = torch.topk(values.abs(), k, sorted=False).indices
+        return values[keep], indices[keep]
+    top = torch.topk(flat.abs(), k, sorted=False).indices
+    return flat[top], top
 
 
 FUSION_POLICIES: Registry[FusionPolicy] = Registry("fusion policy")
@@ -108,6 +136,13 @@ def make_slots(items: Sequence[tuple[int, ParamSpec]], sparse_of, k_of) -> tuple
         else:
             dense_offset += spec.numel
     return tuple(slots)
+
+
+def planned_k(sparsifier: Sparsifier, spec: ParamSpec, density: float | None = None) -> int:
+    """Elements a sparse tensor sends: the sparsifier's exact count where it has one."""
+    k = k_for(spec.numel, sparsifier.density if density is None else density)
+    exact = sparsifier.output_count(torch.Size(spec.shape), k)
+    return k if exact is None else exact
 
 
 def byte_capped_plan(params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext, cap_bytes: float, sparse_of, k_of) -> Plan:

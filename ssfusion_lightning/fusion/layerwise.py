@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ssfusion_lightning.engine.plan import ParamSpec, Plan
-from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, byte_capped_plan
+from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, byte_capped_plan, planned_k
 
 
 @FUSION_POLICIES.register("layerwise")
@@ -14,4 +14,4 @@ class LayerwisePolicy(FusionPolicy):
 
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         sparse = not ctx.sparsifier.is_dense
-        return byte_capped_plan(params, ctx, 0, lambda spec: sparse, lambda spec: ctx.sparsifier.k_for(spec.numel))
+        return byte_capped_plan(params, ctx, 0, lambda spec: sparse, lambda spec: planned_k(ctx.sparsifier, spec))

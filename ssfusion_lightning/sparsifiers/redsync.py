@@ -16,7 +16,8 @@ SAMPLE = 1 << 16
 @SPARSIFIERS.register("redsync")
 class RedSyncSparsifier(ThresholdSparsifier):
     """threshold(r) = mean|x| + r * (max|x| - mean|x|); binary search r in [0, 1] (starting at
-    0.5) until k <= count <= 2k, at most ``max_iters`` probes.
+    0.5) until k <= count <= 2k, at most ``max_iters`` probes (extended below r = 0 when the
+    mean magnitude already selects fewer than k, see ``_search``).
 
     The probes are exact counts over the whole tensor. To pay for (usually) a single pass, the
     search is first simulated on a sample; the lowest threshold the simulated search visits is
@@ -32,7 +33,7 @@ class RedSyncSparsifier(ThresholdSparsifier):
     name = "redsync"
     count_band = (1.0, 2.0)
 
-    def __init__(self, density: float = 0.01, max_iters: int = 20, **options: Any) -> None:
+    def __init__(self, density: float = 0.01, max_iters: int = 40, **options: Any) -> None:
         super().__init__(density=density, **options)
         if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
             raise ValueError(f"max_iters must be a positive integer, got {max_iters!r}")
@@ -41,20 +42,26 @@ class RedSyncSparsifier(ThresholdSparsifier):
     def _search(self, count, mean: float, top: float, k: int) -> tuple[float, float]:
         """Run the binary search with ``count(threshold)``; returns (final r, lowest threshold probed).
 
-        When the probes run out without landing in [k, 2k], the final r is the highest one that
-        selected more than 2k (the caller trims it to k), else the last one probed.
+        When even r = 0 (threshold mean|x|) selects fewer than k -- heavy tails, where the mean
+        magnitude lies above the k-th largest -- the search goes on below the mean, over
+        r in [-mean / (max - mean), 0], i.e. thresholds down to 0. When the probes run out without
+        landing in [k, 2k], the final r is the highest one that selected more than 2k (the
+        caller trims it to k), else the last one probed.
         """
         low, high, r = 0.0, 1.0, 0.5
+        floor = -mean / (top - mean) if top > mean else 0.0
         lowest = float("inf")
         too_many: float | None = None
         for probe in range(self.max_iters):
-            threshold = mean + r * (top - mean)
+            threshold = max(mean + r * (top - mean), 0.0)
             lowest = min(lowest, threshold)
             c = count(threshold)
             if k <= c <= 2 * k:
                 return r, lowest
             if c < k:
                 high = r
+                if too_many is None and r - low < 1e-3 and low == 0.0 and floor < 0.0:
+                    low = floor  # r = 0 cannot reach k: extend the interval below the mean
             else:
                 low = too_many = r
             if probe < self.max_iters - 1:
@@ -80,4 +87,4 @@ class RedSyncSparsifier(ThresholdSparsifier):
             _, lowest = self._search(estimate, mean, top, k)
             candidates.prepare(lowest)
         r, _ = self._search(candidates.count, mean, top, k)
-        return self.finish(flat, candidates.select(mean + r * (top - mean)), k, 2 * k)
+        return self.finish(flat, candidates.select(max(mean + r * (top - mean), 0.0)), k, 2 * k)

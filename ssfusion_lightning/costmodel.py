@@ -1,0 +1,148 @@
+"""Online cost model: backward time per tensor, compression cost, alpha-beta links.
+
+Measured during the first profiling rounds on every rank, agreed across ranks (elementwise max,
+so every rank holds the same numbers) and then frozen: cost-driven fusion policies plan from it,
+so every rank computes the same plan. No per-model tables, no model-name rules.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+INDEX_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Link:
+    """alpha-beta model of one collective: seconds = alpha + beta * bytes (bytes per rank)."""
+
+    alpha: float
+    beta: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    #: backward seconds attributed to each parameter (gap before its gradient became ready)
+    backward: dict[str, float] = field(default_factory=dict)
+    compress_fixed: float = 20e-6
+    compress_per_element: float = 4e-9
+    allreduce: Link = Link(50e-6, 1e-9)
+    allgather: Link = Link(50e-6, 1e-9)
+    world_size: int = 2
+    measured: bool = False
+
+    def compress_seconds(self, numel: int) -> float:
+        return self.compress_fixed + self.compress_per_element * numel
+
+    def dense_seconds(self, numel: int, element_size: int) -> float:
+        """Ring allreduce of ``numel`` elements: the link moves 2(P-1)/P of the bytes."""
+        p = self.world_size
+        return self.allreduce.seconds(2 * (p - 1) / p * numel * element_size) if p > 1 else 0.0
+
+    def sparse_seconds(self, count: int, element_size: int) -> float:
+        """Allgather of ``count`` (value, index) pairs per rank: (P-1) * count pairs arrive."""
+        p = self.world_size
+        return self.allgather.seconds((p - 1) * count * (element_size + INDEX_BYTES)) if p > 1 else 0.0
+
+    def backward_seconds(self, name: str) -> float:
+        return self.backward.get(name, 0.0)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope, both clamped at >= 0 (costs are never negative)."""
+    n = len(xs)
+    if n == 0:
+        return 0.0, 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+class Profiler:
+    """Collects one rank's raw timings across the profiling rounds."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        self.backward = {n: [] for n in self.names}
+        self.compress: list[tuple[int, float]] = []
+        self._last_ready: float | None = None
+
+    def begin_backward(self) -> None:
+        self._last_ready = time.perf_counter()
+
+    def ready(self, name: str) -> None:
+        now = time.perf_counter()
+        if self._last_ready is not None:
+            self.backward[name].append(now - self._last_ready)
+        self._last_ready = now
+
+    def compressed(self, numel: int, seconds: float) -> None:
+        self.compress.append((numel, seconds))
+
+    def local_vector(self) -> list[float]:
+        """Median backward time per tensor, then the compression line's intercept and slope."""
+        medians = []
+        for n in self.names:
+            samples = sorted(self.backward[n])
+            medians.append(samples[len(samples) // 2] if samples else 0.0)
+        fixed, per_element = fit_line([float(n) for n, _ in self.compress], [s for _, s in self.compress])
+        return medians + [fixed, per_element]
+
+
+def measure_link(
+    collective: str, group: dist.ProcessGroup | None, device: torch.device, sizes=(1 << 10, 1 << 16, 1 << 20), repeats: int = 3
+) -> Link:
+    """Time ``collective`` at a few message sizes (bytes per rank) on ``group`` and fit alpha-beta."""
+    world = dist.get_world_size(group)
+    xs, ys = [], []
+    for nbytes in sizes:
+        tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        gathered = [torch.empty_like(tensor) for _ in range(world)]
+        samples = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            if collective == "allreduce":
+                dist.all_reduce(tensor, group=group)
+            else:
+                dist.all_gather(gathered, tensor, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples.append(time.perf_counter() - start)
+        moved = 2 * (world - 1) / world * nbytes if collective == "allreduce" else (world - 1) * nbytes
+        xs.append(moved)
+        ys.append(sorted(samples)[len(samples) // 2])
+    alpha, beta = fit_line(xs, ys)
+    return Link(alpha, beta)
+
+
+def agree(
+    local: list[float], names: Sequence[str], links: dict[str, Link], world_size: int, group: dist.ProcessGroup | None, device: torch.device
+) -> CostProfile:
+    """Elementwise max over ranks of every measured number, so all ranks hold the same profile."""
+    values = local + [links["allreduce"].alpha, links["allreduce"].beta, links["allgather"].alpha, links["allgather"].beta]
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    agreed = tensor.tolist()
+    n = len(names)
+    return CostProfile(
+        backward=dict(zip(names, agreed[:n])),
+        compress_fixed=agreed[n],
+        compress_per_element=agreed[n + 1],
+        allreduce=Link(agreed[n + 2], agreed[n + 3]),
+        allgather=Link(agreed[n + 4], agreed[n + 5]),
+        world_size=world_size,
+        measured=True,
+    )
