@@ -58,9 +58,9 @@ def _send_recv(
     acc: torch.dtype,
     group: dist.ProcessGroup | None,
     traffic: Traffic,
+    device: torch.device,
 ) -> tuple[Tensor, Tensor, bool] | None:
     """Send ``(indices, values, summed)`` to ``partner`` and/or receive its set, concurrently."""
-    device = (send[0] if send is not None else torch.empty(0)).device
     peer = _peer(group, partner)
     works, header_in = [], None
     if send is not None:
@@ -107,17 +107,17 @@ def sparcml_sum(
 ) -> Tensor:
     """Recursive-doubling sparse allreduce; returns the dense sum in values' dtype."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    dtype, acc = values.dtype, accumulation_dtype(values.dtype)
+    dtype, acc, device = values.dtype, accumulation_dtype(values.dtype), values.device
     idx, val, summed = _coalesce(indices.to(torch.int64), values, acc)
     core = 1 << (world.bit_length() - 1)
     extra = world - core
     # fold: among the first 2*extra ranks, odd ranks hand their set to their even neighbour
     if me < 2 * extra and me % 2 == 1:
-        _send_recv(me - 1, (idx, val, summed), False, dtype, acc, group, traffic)
-        idx, val, _ = _send_recv(me - 1, None, True, dtype, acc, group, traffic)
+        _send_recv(me - 1, (idx, val, summed), False, dtype, acc, group, traffic, device)
+        idx, val, _ = _send_recv(me - 1, None, True, dtype, acc, group, traffic, device)
     else:
         if me < 2 * extra:
-            other = _send_recv(me + 1, None, True, dtype, acc, group, traffic)
+            other = _send_recv(me + 1, None, True, dtype, acc, group, traffic, device)
             idx, val = _merge((idx, val), other[:2], acc)
             summed = True
         my_core = me // 2 if me < 2 * extra else me - extra
@@ -125,14 +125,14 @@ def sparcml_sum(
         while mask < core:
             partner_core = my_core ^ mask
             partner = 2 * partner_core if partner_core < extra else partner_core + extra
-            other = _send_recv(partner, (idx, val, summed), True, dtype, acc, group, traffic)
+            other = _send_recv(partner, (idx, val, summed), True, dtype, acc, group, traffic, device)
             mine = (idx, val)
             idx, val = _merge(mine, other[:2], acc) if me < partner else _merge(other[:2], mine, acc)
             summed = True
             mask <<= 1
         val = val.to(dtype)  # the one cast
         if me < 2 * extra:
-            _send_recv(me + 1, (idx, val, False), False, dtype, acc, group, traffic)
+            _send_recv(me + 1, (idx, val, False), False, dtype, acc, group, traffic, device)
     total = torch.zeros(numel, dtype=dtype, device=values.device)
     total[idx] = val.to(dtype)
     return total

@@ -129,21 +129,30 @@ def zen_partition(numel: int, world: int, seed: int = DEFAULT_SEED, device: torc
 
 
 # --------------------------------------------------------------------------- bitmap codec
-_BIT_WEIGHTS = [1, 2, 4, 8, 16, 32, 64, 128]
-
-
 def pack_bits(bits: Tensor) -> Tensor:
-    """bool tensor -> uint8 bitmap, least significant bit first."""
+    """bool tensor -> uint8 bitmap, least significant bit first (8 bits gathered per int64 word)."""
     n = bits.numel()
-    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=bits.device)
-    padded[:n] = bits.to(torch.uint8)
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=bits.device)
-    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+    if n % 8:
+        padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=bits.device)
+        padded[:n] = bits.view(torch.uint8)
+    else:
+        padded = bits.contiguous().view(torch.uint8)
+    if padded.storage_offset() % 8:
+        padded = padded.clone()
+    x = padded.view(torch.int64)  # byte i of a word holds bit i (little-endian), 0 or 1
+    x = x | (x >> 7)
+    x = x | (x >> 14)
+    x = x | (x >> 28)
+    return (x & 0xFF).to(torch.uint8)
 
 
 def unpack_bits(packed: Tensor, n: int) -> Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    return ((packed.view(-1, 1) >> shifts) & 1).view(-1)[:n].bool()
+    """uint8 bitmap -> bool tensor of ``n`` elements (inverse of ``pack_bits``)."""
+    x = packed.to(torch.int64)
+    x = (x | (x << 28)) & 0x0000000F0000000F
+    x = (x | (x << 14)) & 0x0003000300030003
+    x = (x | (x << 7)) & 0x0101010101010101
+    return x.view(torch.uint8)[:n].view(torch.bool)
 
 
 def pull_message_bytes(size: int, nonzeros: int, value_bytes: int) -> tuple[int, bool]:
@@ -222,7 +231,8 @@ def zen_sum(
     local.index_add_(0, part.local_slots(me, torch.cat(got_idx)), torch.cat(got_val).to(acc))
 
     # pull: nonzero counts (equal-sized all_gather), then each owner's bitmap or COO to all
-    nz = torch.nonzero(local != 0).view(-1)
+    present = local != 0  # doubles as the bitmap: one bit per element of I_me
+    nz = torch.nonzero(present).view(-1)
     mine_values = local[nz].to(dtype)  # cast once, by the owner
     count = torch.tensor([nz.numel()], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
@@ -232,9 +242,7 @@ def zen_sum(
     formats = [pull_message_bytes(part.sizes[j], nonzeros[j], vbytes) for j in range(world)]
     size, as_bitmap = formats[me]
     if as_bitmap:
-        bits = torch.zeros(part.sizes[me], dtype=torch.bool, device=device)
-        bits[nz] = True
-        message = torch.cat([pack_bits(bits), mine_values.view(torch.uint8)])
+        message = torch.cat([pack_bits(present), mine_values.view(torch.uint8)])
     else:
         message = torch.cat([part.sets[me][nz].to(torch.int64).view(torch.uint8), mine_values.view(torch.uint8)])
     assert message.numel() == size

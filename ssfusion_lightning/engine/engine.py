@@ -248,10 +248,12 @@ class FusionEngine:
         while self._next < len(buffers):
             self._launch(buffers[self._next])
             self._next += 1
+        # Every buffer must be on its channels before the control collectives are queued behind
+        # them, or ranks could queue them in different orders: drain the offload worker first.
+        launched = [item.result() if isinstance(item, Future) else item for item in self._pending]
         usage = self._agree_on_usage() if self.config.find_unused_parameters else None
         ready_order = self._agree_on_ready_order() if self._rebuild_from_ready_order else None
         started = time.perf_counter()
-        launched = [item.result() if isinstance(item, Future) else item for item in self._pending]
         results = [(buffer, pending.wait(), encoded) for buffer, pending, encoded in launched]
         globally_used = result(usage, self.channels.device).tolist() if usage is not None else None
         self.metrics.exposed_comm_seconds += time.perf_counter() - started

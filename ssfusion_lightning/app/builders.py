@@ -1,0 +1,244 @@
+"""Build the job's objects from the composed config: datamodule, task, strategy, loggers, callbacks."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Mapping
+
+from lightning.pytorch import Callback, LightningDataModule, LightningModule
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+STRATEGY_KINDS = ("ssfusion", "ddp")
+START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
+#: strategy-level options of SSFusionStrategy read from the ``strategy`` group
+SSFUSION_OPTIONS = (
+    "density",
+    "memory",
+    "buffer_mb",
+    "process_groups",
+    "offload",
+    "warmup_steps",
+    "find_unused_parameters",
+    "broadcast_buffers",
+)
+DDP_OPTIONS = ("find_unused_parameters",)
+
+
+def plain(node: Any) -> Any:
+    """A DictConfig/ListConfig as plain Python containers (resolved); anything else unchanged."""
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def _split_name(node: Any, group: str) -> tuple[str, dict[str, Any]]:
+    options = dict(plain(node) or {})
+    name = options.pop("name", None)
+    if not isinstance(name, str):
+        raise ValueError(f"the {group} config needs a string 'name' (got {name!r}); pick one with {group}=<name>")
+    return name, options
+
+
+# ---------------------------------------------------------------- data and model
+def build_datamodule(data_cfg: Any) -> LightningDataModule:
+    from ssfusion_lightning.data import build_datamodule as build
+
+    name, options = _split_name(data_cfg, "data")
+    return build(name, **options)
+
+
+def _model_kind(parameters: Mapping[str, inspect.Parameter]) -> str | None:
+    if "num_classes" in parameters:
+        return "image"
+    if "vocab_size" in parameters:
+        return "token"
+    return None
+
+
+def wire_model_kwargs(model_name: str, size: str, kwargs: dict[str, Any], datamodule: Any) -> dict[str, Any]:
+    """Fill the model's data-dependent arguments from the datamodule, unless the config sets them.
+
+    Images: ``num_classes``, ``in_channels`` and (ViT) ``image_size``. Tokens: ``vocab_size``, and
+    ``max_positions`` grown to the sequence length when the size's default is shorter.
+    """
+    from ssfusion_lightning.data import ImageDataModule, TokenDataModule
+    from ssfusion_lightning.models.factory import MODELS
+
+    spec = MODELS.get(model_name)
+    parameters = inspect.signature(spec.constructor).parameters
+    defaults = {**{k: p.default for k, p in parameters.items()}, **spec.sizes.get(size, {})}
+    kind = _model_kind(parameters)
+    wired = dict(kwargs)
+
+    def fill(key: str, value: Any) -> None:
+        if key in parameters and key not in wired:
+            wired[key] = value
+
+    if isinstance(datamodule, ImageDataModule):
+        if kind != "image":
+            raise ValueError(f"model {model_name!r} does not classify images, but data yields images; pick an image model")
+        fill("num_classes", datamodule.num_classes)
+        fill("in_channels", datamodule.image_shape[0])
+        fill("image_size", datamodule.image_shape[-1])
+    elif isinstance(datamodule, TokenDataModule):
+        if kind != "token":
+            raise ValueError(f"model {model_name!r} is not a language model, but data yields token sequences")
+        fill("vocab_size", datamodule.vocab_size)
+        current = defaults.get("max_positions")
+        if "max_positions" in parameters and isinstance(current, int) and current < datamodule.seq_len:
+            fill("max_positions", datamodule.seq_len)
+    return wired
+
+
+def build_task(model_cfg: Any, datamodule: Any) -> LightningModule:
+    """The LightningModule: ImageClassifier for image data, LanguageModel for token data."""
+    from ssfusion_lightning.data import ImageDataModule, TokenDataModule
+    from ssfusion_lightning.models import ImageClassifier, LanguageModel, build_model
+
+    options = dict(plain(model_cfg))
+    name = options.pop("name")
+    size = options.pop("size", "tiny")
+    kwargs = dict(options.pop("kwargs", None) or {})
+    kwargs = wire_model_kwargs(name, size, kwargs, datamodule)
+    model = build_model(name, size, **kwargs)
+    if "betas" in options:
+        options["betas"] = tuple(options["betas"])
+    if isinstance(datamodule, ImageDataModule):
+        return ImageClassifier(model, num_classes=datamodule.num_classes, **options)
+    if isinstance(datamodule, TokenDataModule):
+        return LanguageModel(model, **options)
+    raise TypeError(f"no task for datamodule {type(datamodule).__name__}")
+
+
+# ---------------------------------------------------------------- strategy
+def resolve_start_method(value: str, multirun: bool) -> str:
+    """``auto``: spawn under a Hydra multirun, else popen (see docs/cli.md, "Sweeps")."""
+    if value not in START_METHODS:
+        raise ValueError(f"unknown strategy.start_method {value!r}; valid choices: {', '.join(START_METHODS)}")
+    if value == "auto":
+        return "spawn" if multirun else "popen"
+    return value
+
+
+def build_sparsifier_spec(sparsifier_cfg: Any, density: float) -> Any:
+    """The ``sparsifier=`` argument: the name, or an instance when the group sets constructor options.
+
+    ``density`` is a strategy-level option (``strategy.density``); a ``density`` key in the sparsifier
+    config is ignored (with a warning when it differs).
+    """
+    import ssfusion_lightning as ssf
+
+    name, options = _split_name(sparsifier_cfg, "sparsifier")
+    own_density = options.pop("density", None)
+    if own_density is not None and own_density != density:
+        log.warning(
+            "sparsifier.density=%s is ignored: the strategy's density (strategy.density=%s) applies", own_density, density
+        )
+    if not options:
+        return name
+    return ssf.build_sparsifier(name, density=density, **options)
+
+
+def _named_options(node: Any, group: str) -> tuple[str, dict[str, Any]]:
+    """``name`` plus the constructor options of a fusion/comm config (flat keys, or nested under ``options``)."""
+    name, options = _split_name(node, group)
+    nested = options.pop("options", None) or {}
+    return name, {**options, **nested}
+
+
+def _non_default(factory: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return dict(options)
+    return {k: v for k, v in options.items() if k not in parameters or parameters[k].default != v}
+
+
+def _component_kwargs(node: Any, group: str, registry: Any, strategy_parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """``{group: name}``, plus ``{group}_options`` when the strategy takes them.
+
+    SSFusionStrategy takes the fusion policy and the communicator by name; options that differ from
+    the constructor's defaults cannot reach it then, which is reported rather than dropped silently.
+    """
+    name, options = _named_options(node, group)
+    kwargs: dict[str, Any] = {group: name}
+    if not options:
+        return kwargs
+    if f"{group}_options" in strategy_parameters:
+        kwargs[f"{group}_options"] = options
+        return kwargs
+    factory = registry.get(name) if name in registry else None
+    ignored = _non_default(factory, options) if factory is not None else options
+    if ignored:
+        log.warning(
+            "%s options %s are not applied: SSFusionStrategy takes the %s by name (constructor defaults apply)",
+            group,
+            ignored,
+            group,
+        )
+    return kwargs
+
+
+def build_strategy(cfg: DictConfig | Mapping[str, Any], multirun: bool = False) -> Any:
+    """``SSFusionStrategy(...)`` from the strategy group plus the sparsifier/fusion/comm groups, or the
+    dense baseline as Lightning's ``"ddp"`` (``"ddp_spawn"`` when its ranks are spawned)."""
+    from ssfusion_lightning.strategy import SSFusionStrategy
+
+    options = dict(plain(cfg["strategy"]))
+    kind = options.get("kind")
+    start_method = resolve_start_method(options.get("start_method", "auto"), multirun)
+    if kind == "ddp":
+        unused = bool(options.get("find_unused_parameters", False))
+        if start_method == "forkserver":  # no registered name for it
+            from lightning.pytorch.strategies import DDPStrategy
+
+            return DDPStrategy(start_method="forkserver", find_unused_parameters=unused)
+        name = "ddp" if start_method == "popen" else f"ddp_{start_method}"
+        return f"{name}_find_unused_parameters_true" if unused else name
+    if kind != "ssfusion":
+        raise ValueError(f"unknown strategy.kind {kind!r}; valid choices: {', '.join(STRATEGY_KINDS)}")
+    from ssfusion_lightning.comm import COMMUNICATORS
+    from ssfusion_lightning.fusion import FUSION_POLICIES
+
+    kwargs = {key: options[key] for key in SSFUSION_OPTIONS if key in options}
+    density = kwargs.get("density", 0.01)
+    parameters = inspect.signature(SSFusionStrategy.__init__).parameters
+    return SSFusionStrategy(
+        sparsifier=build_sparsifier_spec(cfg["sparsifier"], density),
+        **_component_kwargs(cfg["fusion"], "fusion", FUSION_POLICIES, parameters),
+        **_component_kwargs(cfg["comm"], "comm", COMMUNICATORS, parameters),
+        start_method=start_method,
+        **kwargs,
+    )
+
+
+# ---------------------------------------------------------------- loggers and callbacks
+def _instantiate_all(node: Any) -> list[Any]:
+    from hydra.utils import instantiate
+
+    if node is None:
+        return []
+    items = node.values() if isinstance(node, Mapping) or OmegaConf.is_dict(node) else node
+    built = []
+    for item in items:
+        if item is not None and "_target_" in item:
+            built.append(instantiate(item))
+    return built
+
+
+def build_loggers(logger_cfg: Any) -> list[Logger]:
+    return _instantiate_all(logger_cfg)
+
+
+def build_callbacks(callbacks_cfg: Any, has_logger: bool) -> list[Callback]:
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    callbacks = _instantiate_all(callbacks_cfg)
+    if not has_logger:
+        # LearningRateMonitor refuses to run without a logger; drop it rather than fail the job.
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    return callbacks

@@ -1,0 +1,243 @@
+"""Fusion policies and collectives against a reference built from the ranks' own selections."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
+from ssfusion_lightning.comm.schemes import INDEX_BYTES
+from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
+from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
+from ssfusion_lightning.fusion import FUSION_POLICIES
+from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
+
+POLICIES = ["layerwise", "behind", "ahead", "aligned", "adaptive", "selective", "partial"]
+EXACT_COMMS = ["allreduce", "allgather", "hybrid", "zen", "sparcml"]
+
+
+class Mixed(nn.Module):
+    """Tensors from 1 to 600 elements, so buffers mix tiny and large tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.fc1 = nn.Linear(8, 30)
+        self.norm = nn.LayerNorm(30)
+        self.fc2 = nn.Linear(30, 20)
+        self.head = nn.Linear(20, 1)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, tokens):
+        x = self.emb(tokens).mean(1)
+        return self.head(torch.relu(self.fc2(self.norm(self.fc1(x))))) * self.scale
+
+
+def build_engine(model, fusion, comm, sparsifier="topk", density=0.1, groups=2, offload="none", buffer_bytes=1600):
+    group_list = [dist.new_group(backend="gloo") for _ in range(groups)]
+    named = [(n, p) for n, p in model.named_parameters()]
+    return FusionEngine(
+        named,
+        build_sparsifier(sparsifier, density=density),
+        build_memory("residual"),
+        FUSION_POLICIES.build(fusion),
+        COMMUNICATORS.build(comm),
+        ChannelSet(group_list, torch.device("cpu")),
+        EngineConfig(buffer_bytes=buffer_bytes, offload=offload, profile_steps=2),
+    )
+
+
+def record_encodings(engine):
+    """Wrap the policy's compress so every buffer's encoding of this round is kept."""
+    records = []
+    compress = engine.policy.compress
+
+    def recording(buffer, grads, dense_out, ctx):
+        encoded = compress(buffer, grads, dense_out, ctx)
+        records.append((buffer, None if encoded.dense is None else encoded.dense.clone(),
+                        None if encoded.values is None else encoded.values.clone(),
+                        None if encoded.indices is None else encoded.indices.clone()))
+        return encoded
+
+    engine.policy.compress = recording
+    return records
+
+
+def run_rounds(engine, model, rounds, seed, keep=None):
+    """Train-like rounds; returns, for the last round, the encodings and the written gradients."""
+    records = record_encodings(engine)
+    engine.attach()
+    metrics = None
+    for step in range(rounds):
+        records.clear()
+        model.zero_grad(set_to_none=True)
+        g = torch.Generator().manual_seed(seed * 1000 + step * 10 + dist.get_rank())
+        tokens = torch.randint(0, 50, (6, 4), generator=g)
+        model(tokens).pow(2).sum().backward()
+        metrics = engine.finish()
+    written = {n: p.grad.clone() for n, p in model.named_parameters()}
+    engine.close()
+    return records, written, metrics
+
+
+def policies_against_reference(world_fusions, comms, sparsifier="topk"):
+    out = {}
+    for fusion in world_fusions:
+        for comm in comms:
+            torch.manual_seed(0)
+            model = Mixed().double()
+            engine = build_engine(model, fusion, comm, sparsifier=sparsifier)
+            records, written, metrics = run_rounds(engine, model, rounds=4, seed=1)
+            params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            out[(fusion, comm)] = (records, written, engine.plan.fingerprint(), metrics)
+    return out
+
+
+def expected_gradients(per_rank_records, world):
+    expected = {}
+    for buffer_records in zip(*per_rank_records):
+        buffer = buffer_records[0][0]
+        dense_sum = sum(r[1] for r in buffer_records) if buffer.dense_slots else None
+        sparse_sum = torch.zeros(buffer.sparse_numel, dtype=torch.float64)
+        for _, _, values, indices in buffer_records:
+            if values is not None:
+                sparse_sum.index_add_(0, indices, values)
+        for slot in buffer.slots:
+            part = sparse_sum if slot.sparse else dense_sum
+            expected[slot.name] = part[slot.offset : slot.offset + slot.numel].view(slot.shape)
+    return expected
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_policy_and_collective_writes_the_reference_gradient(rank_pools, world):
+    results = rank_pools(world).run(policies_against_reference, POLICIES, EXACT_COMMS)
+    for key in results[0]:
+        per_rank = [r[key] for r in results]
+        assert len({fingerprint for _, _, fingerprint, _ in per_rank}) == 1, f"{key}: plans differ across ranks"
+        expected = expected_gradients([records for records, _, _, _ in per_rank], world)
+        for rank, (_, written, _, _) in enumerate(per_rank):
+            for name, grad in written.items():
+                assert torch.allclose(grad, expected[name], rtol=0, atol=1e-12), f"{key} rank {rank}: {name}"
+                assert torch.equal(grad, per_rank[0][1][name]), f"{key}: {name} differs across ranks"
+
+
+def test_threshold_sparsifier_with_alignment_sends_exact_counts(pool2):
+    results = pool2.run(policies_against_reference, ["aligned", "adaptive"], ["allgather"], "dgc")
+    for key in results[0]:
+        for records, _, _, _ in (r[key] for r in results):
+            for buffer, _, values, _ in records:
+                assert values.numel() == sum(slot.k for slot in buffer.sparse_slots), key
+
+
+def slot_counts(records):
+    counts = {}
+    for buffer, _, _, indices in records:
+        for slot in buffer.slots:
+            if not slot.sparse:
+                counts[slot.name] = slot.numel
+            else:
+                inside = (indices >= slot.offset) & (indices < slot.offset + slot.numel)
+                counts[slot.name] = int(inside.sum())
+    return counts
+
+
+def test_no_tensor_is_missing_except_behind(pool2):
+    results = pool2.run(policies_against_reference, ["ahead", "aligned", "selective", "behind"], ["allgather"])
+    for rank_result in results:
+        for fusion in ("ahead", "aligned", "selective"):
+            counts = slot_counts(rank_result[(fusion, "allgather")][0])
+            assert min(counts.values()) >= 1, (fusion, counts)
+
+
+class SmallBesideLarge(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.large = nn.Parameter(torch.zeros(400))
+        self.small = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return (self.large * x).sum() * 100 + (self.small * x[:8]).sum() * 1e-3
+
+
+def tensor_missing_run(fusion):
+    model = SmallBesideLarge().double()
+    engine = build_engine(model, fusion, "allgather", density=0.05, buffer_bytes=1 << 20)
+    records = record_encodings(engine)
+    engine.attach()
+    model(torch.ones(400, dtype=torch.float64)).backward()
+    engine.finish()
+    engine.close()
+    return slot_counts(records)
+
+
+def test_behind_can_leave_a_small_tensor_out_and_ahead_cannot(pool2):
+    behind = pool2.run(tensor_missing_run, "behind")[0]
+    ahead = pool2.run(tensor_missing_run, "ahead")[0]
+    assert behind["small"] == 0 and behind["large"] == 20
+    assert ahead["small"] == 1 and ahead["large"] == 20
+
+
+def test_selective_is_volume_neutral_and_bytes_match_the_formulas(pool2):
+    results = pool2.run(policies_against_reference, ["selective"], ["hybrid"])
+    world, density, value_bytes = 2, 0.1, 8
+    for rank_result in results:
+        records, _, _, metrics = rank_result[("selective", "hybrid")]
+        sent_bytes = 0
+        for buffer, dense, values, _ in records:
+            sent = buffer.dense_numel + (values.numel() if values is not None else 0)
+            assert abs(sent - density * buffer.numel) <= len(buffer.sparse_slots) + 1, (sent, buffer.numel)
+            if dense is not None:
+                sent_bytes += ring_allreduce_bytes(dense.numel(), value_bytes, world)
+            if values is not None:
+                sent_bytes += (world - 1) * values.numel() * (value_bytes + INDEX_BYTES) + (world - 1) * INDEX_BYTES
+        assert metrics.bytes_sent == sent_bytes
+
+
+def plan_agreement_run(fusion):
+    torch.manual_seed(0)
+    model = Mixed()
+    engine = build_engine(model, fusion, "hybrid", buffer_bytes=800)
+    rng = random.Random(dist.get_rank())
+    profiler = engine._profiler
+    profiler.local_vector = lambda: [rng.uniform(1e-5, 1e-2) for _ in profiler.names] + [rng.uniform(0, 1e-4), rng.uniform(0, 1e-7)]
+    run_rounds(engine, model, rounds=4, seed=2)
+    return engine.plan.fingerprint(), engine.costs.measured, engine.plan.notes
+
+
+@pytest.mark.parametrize("fusion", ["adaptive", "selective", "partial"])
+def test_cost_driven_plans_agree_although_ranks_measure_differently(pool2, fusion):
+    (f0, measured0, _), (f1, measured1, _) = pool2.run(plan_agreement_run, fusion)
+    assert measured0 and measured1
+    assert f0 == f1
+
+
+def variant_run(variants):
+    out = []
+    for kwargs in variants:
+        torch.manual_seed(0)
+        model = Mixed()
+        engine = build_engine(model, **kwargs)
+        _, written, _ = run_rounds(engine, model, rounds=5, seed=3)
+        out.append(written)
+    return out
+
+
+def test_offloading_and_group_count_change_no_bit(pool2):
+    variants = [
+        dict(fusion="selective", comm="hybrid", groups=1, offload="none"),
+        dict(fusion="selective", comm="hybrid", groups=3, offload="none"),
+        dict(fusion="selective", comm="hybrid", groups=2, offload="thread"),
+        dict(fusion="selective", comm="hybrid", groups=2, offload="auto"),
+        dict(fusion="behind", comm="allgather", groups=2, offload="thread"),
+        dict(fusion="behind", comm="allgather", groups=2, offload="none"),
+    ]
+    for written in pool2.run(variant_run, variants):
+        for variant in written[1:4]:
+            for name in written[0]:
+                assert torch.equal(written[0][name], variant[name]), name
+        for name in written[4]:
+            assert torch.equal(written[4][name], written[5][name]), name
