@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
-from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
+from ssfusion_lightning.engine.engine import NONFINITE_POLICIES, EngineConfig, FusionEngine
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.presets import SYSTEM_PRESETS
@@ -41,6 +41,11 @@ def _choice(kind: str, value: Any, choices) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"unknown {kind} {value!r}; valid choices: {', '.join(sorted(choices))}")
     return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class SSFusionStrategy(DDPStrategy):
@@ -59,6 +64,10 @@ class SSFusionStrategy(DDPStrategy):
         find_unused_parameters: as DDP's: a parameter that no rank used keeps ``.grad`` untouched.
         broadcast_buffers: as DDP's: module buffers (BatchNorm statistics) are broadcast from rank 0
             before each synchronized forward.
+        nonfinite: a NaN/Inf gradient on any rank makes every rank "raise" (default) or "skip" the
+            step; error feedback and sparsifier thresholds never absorb it.
+        timeout: as DDP's; also bounds every collective of the strategy's own process groups, so a
+            dead rank or a cut link fails the step with an error instead of hanging.
     """
 
     strategy_name = "ssfusion"
@@ -84,6 +93,7 @@ class SSFusionStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        nonfinite: str = "raise",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -121,6 +131,7 @@ class SSFusionStrategy(DDPStrategy):
         self.warmup_steps = warmup_steps
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
+        self.nonfinite = _choice("nonfinite policy", nonfinite, NONFINITE_POLICIES)
         self.engine: FusionEngine | None = None
         self.last_metrics: StepMetrics = StepMetrics()
         self._groups: list[dist.ProcessGroup] = []
@@ -138,12 +149,47 @@ class SSFusionStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         """Replace DDP's wrapper by the fusion engine: same starting point on all ranks, own groups, hooks."""
         assert self.model is not None
+        self._check_same_config_on_all_ranks()
         _sync_module_states(self.model)
         self.engine = self._build_engine()
         if self._restored_state is not None:
             self._restore_engine(self._restored_state)
             self._restored_state = None
         self.engine.attach()
+
+    def config_fingerprint(self) -> dict[str, Any]:
+        """Everything that must be identical on all ranks for them to issue the same collectives."""
+        sparsifier = self.sparsifier_spec
+        return {
+            "sparsifier": sparsifier if isinstance(sparsifier, str) else f"{type(sparsifier).__name__}({sparsifier.density})",
+            "density": self.density,
+            "memory": self.memory_name,
+            "fusion": self.fusion_name,
+            "comm": self.comm_name,
+            "buffer_mb": self.buffer_mb,
+            "process_groups": self.process_groups,
+            "offload": self.offload,
+            "warmup_steps": self.warmup_steps,
+            "find_unused_parameters": self.find_unused_parameters,
+            "nonfinite": self.nonfinite,
+            "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters() if p.requires_grad],
+        }
+
+    def _check_same_config_on_all_ranks(self) -> None:
+        """A mismatch (e.g. another density on one rank) is an error at setup, not a hang later."""
+        if not _distributed_is_initialized() or self.world_size == 1:
+            return
+        mine = self.config_fingerprint()
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        for rank, theirs in enumerate(everyone):
+            differing = sorted(key for key in mine if theirs.get(key) != mine.get(key))
+            if differing:
+                detail = "; ".join(
+                    f"{key}: rank {self.global_rank} has {_short(mine.get(key))}, rank {rank} has {_short(theirs.get(key))}"
+                    for key in differing
+                )
+                raise ValueError(f"ssfusion: ranks disagree on their configuration ({detail})")
 
     def _build_engine(self) -> FusionEngine:
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -166,6 +212,9 @@ class SSFusionStrategy(DDPStrategy):
                 warmup_steps=self.warmup_steps,
                 find_unused_parameters=self.find_unused_parameters,
                 offload=self.offload,
+                nonfinite=self.nonfinite,
+                # a little above the groups' own timeout, so gloo's error (if any) is the one reported
+                timeout_seconds=self._timeout.total_seconds() + 10 if self._timeout is not None else None,
             ),
         )
 
@@ -261,8 +310,15 @@ class SSFusionStrategy(DDPStrategy):
             self._restored_state = None
         return checkpoint
 
-    def _restore_engine(self, saved: dict[str, Any]) -> None:
+    def _restore_engine(self, saved: Any) -> None:
         assert self.engine is not None
+        if (
+            not isinstance(saved, dict)
+            or not isinstance(saved.get("ranks"), list)
+            or saved.get("world_size") != len(saved["ranks"])
+            or not all(isinstance(state, dict) for state in saved["ranks"])
+        ):
+            raise ValueError(f"the checkpoint's {CHECKPOINT_KEY!r} entry is corrupted: expected one engine state per rank")
         ranks = saved["ranks"]
         if saved["world_size"] != self.world_size:
             rank_zero_warn(

@@ -226,7 +226,7 @@ def test_sparse_allreduce_random_fp32_values(pools, world, pattern, numel, seed)
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_edge_cases(pools, world):
-    for pattern, numel, k in [("identical", 1, 1), ("empty", 1, 1), ("empty", 1000, 10), ("disjoint", 5, 5), ("random", 2, 2)]:
+    for pattern, numel, k in [("empty", 0, 0), ("identical", 1, 1), ("empty", 1, 1), ("empty", 1000, 10), ("disjoint", 5, 5), ("random", 2, 2)]:
         check_schemes(world, make_inputs(world, pattern, numel, k, torch.int32, torch.float32, set(), 7), numel)
 
 

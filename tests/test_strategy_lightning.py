@@ -205,7 +205,16 @@ def checkpoint_run(directory: str, steps: int, checkpoint_every: int, kwargs: di
     return straight, resumed
 
 
-@pytest.mark.parametrize("kwargs", [SPARSE, dict(SPARSE, fusion="layerwise", comm="allgather")], ids=["ahead-hybrid", "layerwise-allgather"])
+RESUME_CASES = {
+    "ahead-hybrid": SPARSE,
+    "layerwise-allgather": dict(SPARSE, fusion="layerwise", comm="allgather"),
+    # profiled, frozen plan + offload decisions must come back from the checkpoint
+    "selective-auto-offload-dgc": dict(SPARSE, sparsifier="dgc", fusion="selective", offload="auto"),
+    "adaptive-threshold-reuse": dict(SPARSE, sparsifier="threshold_reuse", fusion="adaptive", comm="allgather"),
+}
+
+
+@pytest.mark.parametrize("kwargs", RESUME_CASES.values(), ids=RESUME_CASES.keys())
 def test_resume_gives_the_same_trajectory(pool2, tmp_path, kwargs):
     # 8 batches per rank per epoch: resume at the epoch boundary (mid-epoch resume needs a
     # stateful sampler: Lightning's own ddp replays the epoch's first batches there too)
@@ -213,6 +222,8 @@ def test_resume_gives_the_same_trajectory(pool2, tmp_path, kwargs):
         assert torch.equal(p1, p2)
         assert lr1 == lr2 == 0.05 * 0.5
         assert s1["step"] == s2["step"] == 20
+        assert s1["plan"] == s2["plan"] and s1["costs"] == s2["costs"]
+        assert s1["sparsifier"].keys() == s2["sparsifier"].keys()
         residuals1, residuals2 = s1["memory"]["residuals"], s2["memory"]["residuals"]
         assert residuals1.keys() == residuals2.keys() and residuals1
         for key in residuals1:

@@ -115,12 +115,32 @@ def build_task(model_cfg: Any, datamodule: Any) -> LightningModule:
 
 
 # ---------------------------------------------------------------- strategy
-def resolve_start_method(value: str, multirun: bool) -> str:
-    """``auto``: spawn under a Hydra multirun, else popen (see docs/cli.md, "Sweeps")."""
+def _single_process(trainer_cfg: Mapping[str, Any] | None) -> bool:
+    """Whether the trainer runs one process in all (nothing to launch)."""
+    if not trainer_cfg:
+        return False
+    devices = trainer_cfg.get("devices")
+    one_device = devices in (1, "1") or (isinstance(devices, (list, tuple)) and len(devices) == 1)
+    return one_device and trainer_cfg.get("num_nodes", 1) in (1, "1")
+
+
+def resolve_start_method(value: str, multirun: bool, single_process: bool = False) -> str:
+    """``auto``: spawn under a Hydra multirun, else popen (see docs/cli.md, "Sweeps").
+
+    Lightning's popen launcher starts ranks 1.. by re-running the command line; under a multirun
+    that command line is the whole sweep, so every job's rank 1 would start a sweep of its own.
+    Spawned ranks get the job's objects instead. A single process launches nothing: popen then.
+    """
     if value not in START_METHODS:
         raise ValueError(f"unknown strategy.start_method {value!r}; valid choices: {', '.join(START_METHODS)}")
     if value == "auto":
-        return "spawn" if multirun else "popen"
+        return "spawn" if multirun and not single_process else "popen"
+    if value == "popen" and multirun and not single_process:
+        log.warning(
+            "strategy.start_method=popen under a multirun: unless the ranks are launched externally (SLURM, "
+            "torchrun), Lightning re-runs the sweep's command line for rank 1, which starts a second sweep; "
+            "use strategy.start_method=auto"
+        )
     return value
 
 
@@ -190,7 +210,9 @@ def build_strategy(cfg: DictConfig | Mapping[str, Any], multirun: bool = False) 
 
     options = dict(plain(cfg["strategy"]))
     kind = options.get("kind")
-    start_method = resolve_start_method(options.get("start_method", "auto"), multirun)
+    start_method = resolve_start_method(
+        options.get("start_method", "auto"), multirun, _single_process(plain(cfg.get("trainer")))
+    )
     if kind == "ddp":
         unused = bool(options.get("find_unused_parameters", False))
         if start_method == "forkserver":  # no registered name for it

@@ -45,8 +45,7 @@ def _job_sort_key(path: Path) -> tuple[int, Any]:
     return (0, int(name)) if name.isdigit() else (1, str(path))
 
 
-def _row(path: Path, sweep_dir: Path) -> dict[str, Any]:
-    results = json.loads(path.read_text())
+def _row(path: Path, sweep_dir: Path, results: dict[str, Any]) -> dict[str, Any]:
     config = results.get("config") or {}
     strategy = config.get("strategy") or {}
     dense = strategy.get("kind") == "ddp"
@@ -56,7 +55,7 @@ def _row(path: Path, sweep_dir: Path) -> dict[str, Any]:
 
     row: dict[str, Any] = {
         "job": str(path.parent.relative_to(sweep_dir)),
-        "overrides": " ".join((results.get("job") or {}).get("overrides") or []),
+        "overrides": list((results.get("job") or {}).get("overrides") or []),
         "status": results.get("status"),
         "strategy": strategy.get("name", strategy.get("kind")),
         "sparsifier": group_name("sparsifier"),
@@ -79,13 +78,17 @@ def _row(path: Path, sweep_dir: Path) -> dict[str, Any]:
 
 
 def collect_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """One row per job; ``overrides`` keeps only the overrides that differ between jobs (the swept ones)."""
     sweep_dir = Path(sweep_dir)
     rows = []
     for path in sorted(sweep_dir.rglob(RESULTS_FILE), key=_job_sort_key):
         try:
-            rows.append(_row(path, sweep_dir))
-        except (OSError, ValueError) as error:  # an unreadable file must not lose the others' rows
+            rows.append(_row(path, sweep_dir, json.loads(path.read_text())))
+        except (OSError, ValueError, AttributeError) as error:  # one bad file must not lose the other rows
             log.warning("skipping %s in the sweep summary: %s", path, error)
+    common = set.intersection(*(set(row["overrides"]) for row in rows)) if len(rows) > 1 else set()
+    for row in rows:
+        row["overrides"] = " ".join(o for o in row["overrides"] if o not in common)
     return rows
 
 

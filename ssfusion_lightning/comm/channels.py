@@ -17,9 +17,16 @@ import torch.distributed as dist
 
 
 @dataclass
-class _Completed:
+class Completed:
+    """A channel job's value, with the CUDA event that marks it done on the channel's stream."""
+
     value: Any
     event: torch.cuda.Event | None
+
+    def get(self, device: torch.device) -> Any:
+        if self.event is not None:
+            torch.cuda.current_stream(device).wait_event(self.event)
+        return self.value
 
 
 class Channel:
@@ -40,26 +47,24 @@ class Channel:
             ready.record(torch.cuda.current_stream(self.device))
         return self._executor.submit(self._run, fn, args, ready)
 
-    def _run(self, fn: Callable[..., Any], args: Sequence[Any], ready: torch.cuda.Event | None) -> _Completed:
+    def _run(self, fn: Callable[..., Any], args: Sequence[Any], ready: torch.cuda.Event | None) -> Completed:
         if self._stream is None:
-            return _Completed(fn(*args, self.group), None)
+            return Completed(fn(*args, self.group), None)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             value = fn(*args, self.group)
             done = torch.cuda.Event()
             done.record(self._stream)
-        return _Completed(value, done)
+        return Completed(value, done)
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=True)
+    def shutdown(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
 
 
 def result(future: Future, device: torch.device, timeout: float | None = None) -> Any:
     """Wait for a channel job; on CUDA, order the current stream after the job's stream."""
-    completed: _Completed = future.result(timeout=timeout)
-    if completed.event is not None:
-        torch.cuda.current_stream(device).wait_event(completed.event)
-    return completed.value
+    completed: Completed = future.result(timeout=timeout)
+    return completed.get(device)
 
 
 class ChannelSet:
@@ -77,6 +82,6 @@ class ChannelSet:
     def __getitem__(self, index: int) -> Channel:
         return self.channels[index % len(self.channels)]
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:
         for channel in self.channels:
-            channel.shutdown()
+            channel.shutdown(wait)

@@ -6,8 +6,10 @@ calls ``finish`` after every backward and toggles ``sync_enabled`` for gradient 
 
 from __future__ import annotations
 
+import copy
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -16,9 +18,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ssfusion_lightning.comm import ChannelSet, Communicator, PendingReduction, Reduced
-from ssfusion_lightning.comm.channels import result
+from ssfusion_lightning.comm.channels import Completed
 from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
 from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link
+from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
 from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan
@@ -34,7 +37,14 @@ class EngineConfig:
     offload: str = "none"
     #: rounds measured before cost-driven plans (and offload="auto") are frozen
     profile_steps: int = 3
+    #: "raise": every rank raises at a step where some rank's gradient is non-finite;
+    #: "skip": every rank drops that step (no gradient written, error feedback untouched)
+    nonfinite: str = "raise"
+    #: seconds to wait for one buffer's collectives before failing the step
+    timeout_seconds: float | None = None
 
+
+NONFINITE_POLICIES = ("raise", "skip")
 
 def dense_version(plan: Plan) -> Plan:
     """The same buffers with every tensor sent dense (warm-up steps)."""
@@ -98,6 +108,7 @@ class FusionEngine:
         self.sync_enabled = True
         self.metrics = StepMetrics()
         self._hooks: list[Any] = []
+        self._failed = False
         self._dense_storage: dict[tuple[int, int], Tensor] = {}
         # Like DDP: the first round runs in registration order, then the plan is rebuilt once
         # from the gradient-ready order rank 0 observed (DDP skips this with find_unused_parameters).
@@ -171,6 +182,8 @@ class FusionEngine:
         self._missing = [len(b.slots) for b in plan.buffers]
         self._used = [False] * len(self.params)
         self._ready_order: list[int] = []
+        self._finite: list[Tensor] = []
+        self._sparsifier_snapshot: dict[str, Any] | None = None  # taken at the round's first launch
         self._next = 0
         self._pending: list[tuple[Buffer, PendingReduction, Encoded]] = []
 
@@ -207,6 +220,9 @@ class FusionEngine:
         for slot in buffer.slots:
             param = self.params[slot.param]
             grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
+        if self._sparsifier_snapshot is None:
+            # selection may move thresholds: restore them if this round is dropped as non-finite
+            self._sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
         if self.offloader is None:
             self._pending.append(self._launch_encoded(buffer, self._compress(buffer, grads)))
         elif self._offload_flags[buffer.index]:
@@ -219,6 +235,7 @@ class FusionEngine:
 
     def _compress(self, buffer: Buffer, grads: list[Tensor]) -> Encoded:
         started = time.perf_counter()
+        self._finite.append(torch.stack([torch.isfinite(g).all() for g in grads]).all())
         on_selected = self._profiler.compressed if self.profiling else None
         ctx = CompressContext(self.sparsifier, self.memory, 1.0 / self.world_size, on_selected)
         encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), ctx)
@@ -250,13 +267,17 @@ class FusionEngine:
             self._next += 1
         # Every buffer must be on its channels before the control collectives are queued behind
         # them, or ranks could queue them in different orders: drain the offload worker first.
-        launched = [item.result() if isinstance(item, Future) else item for item in self._pending]
+        launched = [self._settle(item, "compress and launch") for item in self._pending]
+        health = self.channels[0].submit(_allreduce_max, self._health_vector())
         usage = self._agree_on_usage() if self.config.find_unused_parameters else None
         ready_order = self._agree_on_ready_order() if self._rebuild_from_ready_order else None
         started = time.perf_counter()
-        results = [(buffer, pending.wait(), encoded) for buffer, pending, encoded in launched]
-        globally_used = result(usage, self.channels.device).tolist() if usage is not None else None
+        results = [(buffer, self._wait(buffer, pending), encoded) for buffer, pending, encoded in launched]
+        unhealthy = [rank for rank, flag in enumerate(self._settle(health, "non-finite check").tolist()) if flag]
+        globally_used = self._settle(usage, "unused-parameter agreement").tolist() if usage is not None else None
         self.metrics.exposed_comm_seconds += time.perf_counter() - started
+        if unhealthy:
+            return self._drop_round(unhealthy)
         for buffer, reduced, encoded in results:
             self._write_gradients(buffer, reduced, globally_used)
             self._update_memory(encoded, reduced)
@@ -266,10 +287,10 @@ class FusionEngine:
         metrics, self.metrics = self.metrics, StepMetrics()
         if ready_order is not None:
             self._rebuild_from_ready_order = False
-            self.order = result(ready_order, self.channels.device).tolist()
+            self.order = self._settle(ready_order, "ready-order agreement").tolist()
             self.set_plan(self._build_plan(self.order))
         elif self._profiler is not None and self.step == self._profile_end:
-            self.costs = result(self.channels[0].submit(self._agree_costs), self.channels.device)
+            self.costs = self._settle(self.channels[0].submit(self._agree_costs), "cost-model agreement")
             self._profiler = None
             self.set_plan(self._build_plan(self.order, self.costs))
         else:
@@ -281,6 +302,61 @@ class FusionEngine:
         device = self.channels.device
         links = {name: measure_link(name, group, device) for name in ("allreduce", "allgather")}
         return agree(self._profiler.local_vector(), self.names, links, self.world_size, group, device)
+
+    def _health_vector(self) -> Tensor:
+        """One entry per rank, 1 at this rank when any of its gradients this round was non-finite."""
+        vector = torch.zeros(self.world_size, dtype=torch.uint8, device=self.channels.device)
+        if self._finite and not bool(torch.stack(self._finite).all()):
+            vector[dist.get_rank(self.channels[0].group) if self.world_size > 1 else 0] = 1
+        return vector
+
+    def _drop_round(self, ranks: list[int]) -> StepMetrics:
+        """Every rank drops the round alike: no gradient written, error feedback and thresholds untouched."""
+        if self._sparsifier_snapshot is not None:
+            self.sparsifier.load_state_dict(self._sparsifier_snapshot)
+        step = self.step
+        self._reset_round()
+        if self.config.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"ssfusion: non-finite (NaN/Inf) gradient at step {step} on rank(s) {ranks}; every rank stops here. "
+                "Pass nonfinite='skip' to drop such steps instead"
+            )
+        for param in self.params:
+            param.grad = None  # optimizers skip parameters without a gradient
+        metrics, self.metrics = self.metrics, StepMetrics()
+        metrics.skipped_steps = 1
+        return metrics
+
+    def _settle(self, item: Any, what: str) -> Any:
+        """Wait for a worker job; a failure or a time-out becomes a CommunicationError naming the step."""
+        if not isinstance(item, Future):
+            return item
+        try:
+            value = item.result(timeout=self.config.timeout_seconds)
+        except FutureTimeout:
+            self._failed = True
+            raise CommunicationError(
+                f"ssfusion: step {self.step}: {what} did not complete within {self.config.timeout_seconds}s "
+                "(a rank may have died or a link gone down)"
+            ) from None
+        except Exception as error:
+            self._failed = True
+            raise CommunicationError(f"ssfusion: step {self.step}: {what} failed: {error}") from error
+        return value.get(self.channels.device) if isinstance(value, Completed) else value
+
+    def _wait(self, buffer: Buffer, pending: PendingReduction) -> Reduced:
+        what = f"buffer {buffer.index} ({self.communicator.name} on process group {buffer.channel % len(self.channels)})"
+        try:
+            return pending.wait(self.config.timeout_seconds)
+        except FutureTimeout:
+            self._failed = True
+            raise CommunicationError(
+                f"ssfusion: step {self.step}: {what} did not complete within {self.config.timeout_seconds}s "
+                "(a rank may have died or a link gone down)"
+            ) from None
+        except Exception as error:
+            self._failed = True
+            raise CommunicationError(f"ssfusion: step {self.step}: {what} failed: {error}") from error
 
     def _agree_on_ready_order(self) -> Future:
         """Rank 0's gradient-ready order (parameters it never saw last, in backward order)."""
@@ -336,6 +412,9 @@ class FusionEngine:
     def load_state_dict(self, state: dict[str, Any], per_rank: bool = True) -> None:
         """Restore a rank's state; with ``per_rank=False`` (another world size) keep only the step
         counter and the plan, and start error feedback and sparsifier state afresh."""
+        missing = {"step", "plan", "order", "costs", "sparsifier", "memory", "communicator"} - set(state)
+        if missing or not isinstance(state["plan"], Plan):
+            raise ValueError(f"corrupted engine state: missing or invalid entries {sorted(missing) or ['plan']}")
         plan: Plan = state["plan"]
         saved = sorted((s.name, s.numel) for b in plan.buffers for s in b.slots)
         ours = sorted((spec.name, spec.numel) for _, spec in self.specs(range(len(self.params))))
@@ -360,10 +439,12 @@ class FusionEngine:
         self.communicator.load_state_dict(_to_device(state["communicator"], device))
 
     def close(self) -> None:
+        """Remove the hooks and stop the workers (without waiting on them after a failure)."""
         self.detach()
+        wait = not self._failed
         if self.offloader is not None:
-            self.offloader.shutdown()
-        self.channels.shutdown()
+            self.offloader.shutdown(wait)
+        self.channels.shutdown(wait)
 
 
 def _to_device(state: Any, device: torch.device) -> Any:

@@ -18,6 +18,7 @@ class StepMetrics:
     dense_tensors: int = 0
     sparse_tensors: int = 0
     elements_sent: int = 0
+    skipped_steps: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return {key: float(value) for key, value in asdict(self).items()}

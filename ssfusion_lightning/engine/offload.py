@@ -62,8 +62,8 @@ class Offloader:
                 self._stream.wait_event(ready)
             return fn(*args)
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=True)
+    def shutdown(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
 
 
 def to_device(encoded: Encoded, device: torch.device) -> Encoded:

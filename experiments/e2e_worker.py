@@ -1,0 +1,349 @@
+"""One rank of the end-to-end benchmark (experiments/bench_e2e.py runs one copy per emulated node).
+
+    python -m experiments.e2e_worker SPEC.json
+
+The spec lists phases (one per link rate); each phase lists runs (workload x scheme x repeat).
+Before a phase every rank waits for ``<ctl>/go_<i>`` (the host has set the link rate by then),
+after it rank 0 writes ``<ctl>/done_<i>``, so one process launch covers every rate of a world size.
+Each run is a fresh Lightning ``Trainer(num_nodes=P, devices=1)`` fit of the workload's model with
+the scheme's strategy; rank 0 appends one JSON line per run to ``spec["out"]``:
+
+- ``step_seconds``: wall time of every optimizer step (start of one batch to the start of the next,
+  so data loading, forward, backward, communication and the optimizer are all in it);
+- ``engine``: per step ``strategy.last_metrics`` (bytes, compress/exposed seconds, buffers) for the
+  fusion-engine schemes;
+- ``hook_bytes``: per step the payload bytes of the ``torch.distributed.all_reduce`` calls made by
+  a DDP comm hook (fp16, PowerSGD), counted by a wrapper, as ring bytes 2(P-1)/P * payload;
+- ``eval``: rank 0's loss / accuracy on the fixed validation split after the fit (same split,
+  same number of steps for every scheme).
+
+Every rank runs one intra-op thread (``torch.set_num_threads(1)``): on the 2-core benchmark host
+4 ranks already oversubscribe the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook  # noqa: E402
+
+import ssfusion_lightning  # noqa: E402,F401 - registers the strategy names
+from ssfusion_lightning import SSFusionStrategy  # noqa: E402
+from ssfusion_lightning.data import build_datamodule  # noqa: E402
+from ssfusion_lightning.models import ImageClassifier, LanguageModel, build_model  # noqa: E402
+from ssfusion_lightning.presets import SYSTEM_PRESETS  # noqa: E402
+
+# --------------------------------------------------------------------------- workloads
+#: tiny twins of the paper workloads, sized so that one step is ~0.1-0.2 s of compute per rank
+#: (1 thread) while dense DDP moves a few MB per step: communication-bound at ~100 Mbit/s.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "resnet18": {
+        "kind": "image",
+        "model": ("resnet18", "tiny", {"width": 16}),
+        "data": ("synthetic_images", {"image_size": 16, "batch_size": 32, "noise_std": 1.5}),
+        "task": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4},
+    },
+    "gpt2": {
+        "kind": "lm",
+        "model": ("gpt2", "tiny", {"dim": 192, "depth": 3, "num_heads": 4}),
+        "data": ("synthetic_tokens", {"seq_len": 32, "batch_size": 16, "branching": 4}),
+        "task": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.01},
+    },
+}
+QUICK_WORKLOADS: dict[str, dict[str, Any]] = {
+    "resnet18": {**WORKLOADS["resnet18"], "model": ("resnet18", "tiny", {"width": 8})},
+    "gpt2": {**WORKLOADS["gpt2"], "model": ("gpt2", "tiny", {"dim": 64, "depth": 2, "num_heads": 2})},
+}
+TRAIN_SAMPLES = 1 << 20  # never reach an epoch end
+VAL_SAMPLES = 512
+
+# --------------------------------------------------------------------------- schemes
+DENSITY = 0.01
+POWERSGD_RANK = 1  # PyTorch's default: the fastest (most demanding) PowerSGD baseline
+#: DDP variants (Lightning's DDPStrategy, comm hook registered by this harness)
+DDP_SCHEMES = ("compute_only", "ddp", "ddp_fp16", "ddp_powersgd")
+#: fusion-engine schemes: keyword arguments of SSFusionStrategy
+ENGINE_SCHEMES: dict[str, dict[str, Any]] = {
+    **{name: dict(SYSTEM_PRESETS[name][1]) for name in ("ssfusion", "safusion", "adtopk", "zen", "oktopk")},
+    # the engine with nothing sparsified (the ssfusion preset, sparsifier none): overhead vs DDP
+    "ssfusion_dense": {**SYSTEM_PRESETS["ssfusion"][1], "sparsifier": "none"},
+    # SSFusion's baselines, with SSFusion's sparsifier so that only the fusion differs
+    "layerwise": {"sparsifier": "dgc", "fusion": "layerwise", "comm": "allgather", "offload": "none"},
+    "behind": {"sparsifier": "dgc", "fusion": "behind", "comm": "allgather", "offload": "none"},
+}
+for _kwargs in ENGINE_SCHEMES.values():
+    _kwargs.pop("start_method", None)
+SCHEMES = (*DDP_SCHEMES, *ENGINE_SCHEMES)
+
+
+def _noop_hook(state, bucket):  # no annotations: DDP checks them and they are strings here
+    """Communication removed: every rank keeps its local gradient (the compute-only limit)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def serialized(hook):
+    """Run a comm hook (and the collectives its callbacks chain) to completion on one worker
+    thread, bucket after bucket in DDP's launch order. PyTorch's PowerSGD hook issues its second
+    allreduce from a future callback; with several DDP buckets on gloo the ranks then issue
+    collectives in different orders and fail ("Received data size doesn't match"). Serializing
+    keeps the hook overlapped with the rest of backward (the worker runs beside autograd)."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="e2e-hook")
+
+    def wrapped(state, bucket):
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def job() -> None:
+            try:
+                fut.set_result(hook(state, bucket).wait())
+            except BaseException as error:  # noqa: BLE001 - hand it to DDP
+                fut.set_exception(error)
+
+        executor.submit(job)
+        return fut
+
+    wrapped.executor = executor  # type: ignore[attr-defined]
+    return wrapped
+
+
+class HookedDDP(DDPStrategy):
+    """Lightning's DDPStrategy with a DDP comm hook registered on CPU too (Lightning only does it on CUDA)."""
+
+    def __init__(self, hook: str, **kwargs: Any) -> None:
+        if hook == "noop":
+            kwargs.setdefault("broadcast_buffers", False)
+        super().__init__(**kwargs)
+        self.hook = hook
+        self._hook_fn = None
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if self.hook == "fp16":
+            self.model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif self.hook == "powersgd":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=POWERSGD_RANK,
+                start_powerSGD_iter=2,  # the minimum with error feedback (default 1000: plain allreduce)
+                min_compression_rate=2,
+                use_error_feedback=True,
+                warm_start=True,
+            )
+            self._hook_fn = serialized(powerSGD_hook.powerSGD_hook)
+            self.model.register_comm_hook(state, self._hook_fn)
+        elif self.hook == "noop":
+            self.model.register_comm_hook(None, _noop_hook)
+
+    def teardown(self) -> None:
+        if self._hook_fn is not None:
+            self._hook_fn.executor.shutdown(wait=True)
+        super().teardown()
+
+
+def make_strategy(scheme: str) -> Any:
+    if scheme == "ddp":
+        return DDPStrategy()
+    if scheme == "compute_only":
+        return HookedDDP("noop")
+    if scheme == "ddp_fp16":
+        return HookedDDP("fp16")
+    if scheme == "ddp_powersgd":
+        return HookedDDP("powersgd")
+    if scheme in ENGINE_SCHEMES:
+        return SSFusionStrategy(density=DENSITY, **ENGINE_SCHEMES[scheme])
+    raise ValueError(f"unknown scheme {scheme!r}; valid choices: {', '.join(SCHEMES)}")
+
+
+# --------------------------------------------------------------------------- hook byte counter
+class _AllreduceCounter:
+    """Wraps torch.distributed.all_reduce to count the payload of the hooks' collectives."""
+
+    def __init__(self) -> None:
+        self.payload = 0
+        self._original = dist.all_reduce
+
+    def install(self) -> None:
+        counter = self
+
+        def all_reduce(tensor, *args, **kwargs):
+            counter.payload += tensor.numel() * tensor.element_size()
+            return counter._original(tensor, *args, **kwargs)
+
+        dist.all_reduce = all_reduce
+
+    def take(self) -> int:
+        value, self.payload = self.payload, 0
+        return value
+
+
+COUNTER = _AllreduceCounter()
+
+
+# --------------------------------------------------------------------------- per-step timing
+class StepRecorder(Callback):
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.end: float | None = None
+        self.engine: list[dict[str, float]] = []
+        self.hook_payload: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.starts.append(time.perf_counter())
+        COUNTER.take()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.end = time.perf_counter()
+        self.hook_payload.append(COUNTER.take())
+        metrics = getattr(trainer.strategy, "last_metrics", None)
+        if metrics is not None:
+            self.engine.append(metrics.as_dict())
+
+    def step_seconds(self) -> list[float]:
+        if not self.starts or self.end is None:
+            return []
+        marks = self.starts + [self.end]
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+
+# --------------------------------------------------------------------------- one run
+def build_workload(name: str, quick: bool, seed: int):
+    spec = (QUICK_WORKLOADS if quick else WORKLOADS)[name]
+    model_name, size, overrides = spec["model"]
+    data_name, data_kwargs = spec["data"]
+    datamodule = build_datamodule(
+        data_name, **data_kwargs, train_samples=TRAIN_SAMPLES, val_samples=VAL_SAMPLES, test_samples=32, seed=seed
+    )
+    if spec["kind"] == "image":
+        model = build_model(model_name, size, **overrides)
+        task = ImageClassifier(model, num_classes=datamodule.num_classes, lr_schedule="constant", **spec["task"])
+    else:
+        model = build_model(model_name, size, **{**overrides, "vocab_size": datamodule.vocab_size})
+        task = LanguageModel(model, lr_schedule="constant", **spec["task"])
+    return spec, model, task, datamodule
+
+
+@torch.no_grad()
+def evaluate(spec: dict[str, Any], model: torch.nn.Module, datamodule) -> dict[str, float]:
+    """Loss and accuracy (top-1 for images, next-token for LMs) on the whole validation split."""
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for inputs, targets in datamodule.val_dataloader():
+        logits = model(inputs)
+        if logits.dim() > 2:
+            logits, targets = logits.flatten(0, 1), targets.flatten()
+        keep = targets >= 0
+        logits, targets = logits[keep], targets[keep]
+        loss_sum += float(F.cross_entropy(logits, targets, reduction="sum"))
+        correct += int((logits.argmax(-1) == targets).sum())
+        count += int(targets.numel())
+    model.train(was_training)
+    return {"val_loss": loss_sum / max(1, count), "val_acc": correct / max(1, count)}
+
+
+def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
+    L.seed_everything(run.get("seed", 0), verbose=False)
+    spec, model, task, datamodule = build_workload(run["workload"], quick, run.get("seed", 0))
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=world,
+        strategy=make_strategy(run["scheme"]),
+        max_steps=run["steps"],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        gradient_clip_val=1.0 if spec["kind"] == "lm" else None,
+    )
+    started = time.perf_counter()
+    trainer.fit(task, datamodule=datamodule)
+    fit_seconds = time.perf_counter() - started
+    result = {
+        **run,
+        "world": world,
+        "params": sum(p.numel() for p in model.parameters()),
+        "param_tensors": sum(1 for _ in model.parameters()),
+        "per_rank_batch": datamodule.batch_size,
+        "step_seconds": recorder.step_seconds(),
+        "engine": recorder.engine if run["scheme"] in ENGINE_SCHEMES else [],
+        "hook_payload": recorder.hook_payload if run["scheme"] in ("ddp_fp16", "ddp_powersgd") else [],
+        "fit_seconds": fit_seconds,
+    }
+    if run.get("eval") and dist.get_rank() == 0:
+        result["eval"] = evaluate(spec, model, datamodule)
+    return result
+
+
+# --------------------------------------------------------------------------- phases
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(argv[0]).read_text())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec.get("collective_timeout", 600)))
+    COUNTER.install()
+    ctl = Path(spec["ctl"])
+    out = Path(spec["out"])
+    quick = bool(spec.get("quick"))
+    status = 0
+    for index, phase in enumerate(spec["phases"]):
+        _wait_for(ctl / f"go_{index}", spec.get("phase_timeout", 900))
+        dist.barrier()
+        for run in phase["runs"]:
+            run = {**run, "phase": phase["label"]}
+            try:
+                result = run_one(run, world, quick)
+            except Exception:  # noqa: BLE001 - record it; the ranks are out of step now, so stop
+                result = {**run, "world": world, "error": traceback.format_exc()}
+                status = 1
+            if rank == 0:
+                with out.open("a") as f:
+                    f.write(json.dumps(result) + "\n")
+            print(f"[e2e rank {rank}] {phase['label']} {run['workload']} {run['scheme']} "
+                  f"{'FAILED' if 'error' in result else 'ok'}", flush=True)
+            if status:
+                break
+        if status:
+            break
+        dist.barrier()
+        if rank == 0:
+            (ctl / f"done_{index}").write_text("ok")
+    if rank == 0 and status:
+        (ctl / "failed").write_text("a run failed; see the worker logs")
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

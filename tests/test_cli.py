@@ -1,0 +1,247 @@
+"""The ``ssfusion-train`` command line: groups, presets, strategy building, sweeps under multi-process DDP.
+
+The subprocess tests run ``python -m ssfusion_lightning.cli`` (what the ``ssfusion-train`` console
+script calls) in a temporary directory; the config-level tests compose in this process.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import ssfusion_lightning as ssf
+from ssfusion_lightning.app.builders import build_strategy, resolve_start_method
+from ssfusion_lightning.app.config import compose_config, config_dir
+from ssfusion_lightning.app.sweep import write_summary
+from ssfusion_lightning.presets import SYSTEM_PRESETS
+
+REPO = Path(__file__).resolve().parents[1]
+GROUPS = ("model", "data", "sparsifier", "fusion", "comm", "strategy", "trainer", "logger", "callbacks", "experiment", "hparams_search")
+FUSION_POLICIES = ("layerwise", "behind", "ahead", "aligned", "adaptive", "selective", "partial")
+ABLATIONS = {
+    # name: (sparsifier, fusion, comm, offload)
+    "ssfusion_naive": ("dgc", "selective", "allgather", "none"),
+    "ssfusion_o": ("dgc", "selective", "allgather", "auto"),
+    "ssfusion_i": ("dgc", "selective", "hybrid", "none"),
+    "safusion_saf": ("dgc", "ahead", "allgather", "none"),
+    "safusion_inter": ("dgc", "aligned", "allgather", "none"),
+    "safusion_inter_intra": ("dgc", "adaptive", "allgather", "none"),
+    "adtopk_only": ("adtopk", "ahead", "allgather", "none"),
+    "adtopk_interleaved": ("adtopk_interleaved", "ahead", "allgather", "none"),
+    "adtopk_partial": ("adtopk_interleaved", "partial", "allgather", "none"),
+    "adtopk_hybrid": ("adtopk_interleaved", "partial", "hybrid", "none"),
+    "layerwise": ("dgc", "layerwise", "allgather", "none"),
+    "behind": ("dgc", "behind", "allgather", "none"),
+}
+
+
+def cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "ssfusion_lightning.cli", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def compose(*overrides: str):
+    return compose_config([*overrides, "paths.output_dir=unused"])
+
+
+# ---------------------------------------------------------------- the command line
+def test_help_lists_every_group_and_its_options(tmp_path):
+    done = cli("--help", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = {line.split(":")[0]: line for line in done.stdout.splitlines() if ": " in line}
+    for group in GROUPS:
+        assert group in lines, f"--help does not list the {group} group"
+    for policy in FUSION_POLICIES:
+        assert policy in lines["fusion"]
+    for preset in ("ddp", *SYSTEM_PRESETS.keys() - {"ssfusion_spawn"}, *ABLATIONS):
+        assert preset in lines["strategy"].split(": ")[1].split(", ")
+    assert "resnet152-imagenet-tiny" in lines["experiment"]
+    assert "ddp_cpu" in lines["trainer"]
+    assert "ssfusion-train -m" in done.stdout  # the examples
+    assert list(tmp_path.iterdir()) == []  # --help runs no job
+
+
+def test_misspelled_group_option_fails_listing_the_valid_choices(tmp_path):
+    done = cli("sparsifier=topkk", cwd=tmp_path)
+    assert done.returncode != 0
+    assert "Could not find 'sparsifier/topkk'" in done.stderr
+    assert "Available options in 'sparsifier'" in done.stderr
+    for name in ("topk", "dgc", "none"):
+        assert f"\t{name}\n" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_multirun_sweep_on_two_ranks_per_job(tmp_path):
+    """Lightning's popen launcher would re-run ``-m ...`` in rank 1 and start a second sweep; under a
+    multirun the ranks are spawned instead, so the sweep has exactly its 4 jobs and one summary."""
+    sweep = tmp_path / "sweep"
+    done = cli(
+        "-m",
+        "sparsifier=topk,none",
+        "fusion=ahead,layerwise",
+        "comm=allgather",
+        f"hydra.sweep.dir={sweep}",
+        "trainer.max_steps=2",
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+        "trainer.enable_checkpointing=false",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "callbacks=none",
+        "logger=csv",
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray outputs/ or multirun dirs
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1", "2", "3"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_file()) == ["multirun.yaml", "summary.csv", "summary.md"]
+    assert len(list(tmp_path.rglob("results.json"))) == 4
+    assert len(list(tmp_path.rglob("multirun.yaml"))) == 1  # no job started a sweep of its own
+    assert sorted(p.name for p in tmp_path.rglob("summary.*")) == ["summary.csv", "summary.md"]
+
+    combos = set()
+    for job in jobs:
+        results = json.loads((job / "results.json").read_text())
+        assert results["status"] == "completed" and results["world_size"] == 2 and results["global_step"] == 2
+        assert results["job"]["mode"] == "multirun" and results["job"]["output_dir"] == str(job)
+        assert results["config"]["strategy"]["start_method"] == "auto"
+        combos.add((results["config"]["sparsifier"]["name"], results["config"]["fusion"]["name"]))
+        assert results["dense_equivalent_bytes_per_step"] > 0
+    assert combos == {("topk", "ahead"), ("topk", "layerwise"), ("none", "ahead"), ("none", "layerwise")}
+
+    with open(sweep / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["job"] for row in rows] == ["0", "1", "2", "3"]
+    assert {(row["sparsifier"], row["fusion"]) for row in rows} == combos
+    for row in rows:
+        assert row["overrides"] == f"sparsifier={row['sparsifier']} fusion={row['fusion']}"
+        assert float(row["samples_per_sec"]) > 0 and float(row["bytes_sent_per_step"]) > 0
+        expected = 1.0 if row["sparsifier"] == "none" else 5.0
+        assert float(row["compression_ratio"]) >= expected
+    assert (sweep / "summary.md").read_text().count("\n| ") == 1 + 4  # header + one row per job
+
+
+# ---------------------------------------------------------------- presets and groups (composed here)
+def test_fusion_group_has_one_yaml_per_policy():
+    for policy in FUSION_POLICIES:
+        assert OmegaConf.load(config_dir() / "fusion" / f"{policy}.yaml") == {"name": policy}
+
+
+@pytest.mark.parametrize("name", sorted(SYSTEM_PRESETS.keys() - {"ssfusion_spawn"}))
+def test_system_preset_configs_match_the_registered_strategies(name):
+    cfg = compose(f"strategy={name}")
+    preset = SYSTEM_PRESETS[name][1]
+    assert cfg.strategy.name == name and cfg.strategy.kind == "ssfusion"
+    assert (cfg.sparsifier.name, cfg.fusion.name, cfg.comm.name, cfg.strategy.offload) == (
+        preset["sparsifier"],
+        preset["fusion"],
+        preset["comm"],
+        preset["offload"],
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_ablation_presets(name):
+    cfg = compose(f"strategy={name}")
+    assert (cfg.sparsifier.name, cfg.fusion.name, cfg.comm.name, cfg.strategy.offload) == ABLATIONS[name]
+
+
+def test_command_line_groups_win_over_the_strategy_preset():
+    cfg = compose("strategy=safusion", "sparsifier=topk", "comm=hybrid")
+    assert (cfg.sparsifier.name, cfg.fusion.name, cfg.comm.name) == ("topk", "adaptive", "hybrid")
+    cfg = compose("experiment=gpt2-large-tiny", "strategy=zen", "fusion=ahead")
+    assert (cfg.model.name, cfg.strategy.name, cfg.comm.name) == ("gpt2", "zen", "zen")
+
+
+def test_default_job_is_two_cpu_ranks_with_ssfusion_on_a_tiny_model():
+    cfg = compose()
+    assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2
+    assert cfg.strategy.name == "ssfusion" and cfg.model.size == "tiny"
+    assert cfg.data.name.startswith("synthetic") and 0 < cfg.trainer.max_steps <= 300
+
+
+def test_strategy_built_from_the_groups():
+    cfg = compose("strategy=safusion_saf", "sparsifier=topk", "strategy.density=0.05", "strategy.process_groups=1")
+    strategy = build_strategy(cfg)
+    assert isinstance(strategy, ssf.SSFusionStrategy)
+    assert (strategy.sparsifier_spec, strategy.fusion_name, strategy.comm_name) == ("topk", "ahead", "allgather")
+    assert (strategy.density, strategy.process_groups, strategy.offload) == (0.05, 1, "none")
+    assert strategy._start_method == "popen"
+    assert build_strategy(cfg, multirun=True)._start_method == "spawn"
+
+
+def test_sparsifier_options_build_an_instance_with_the_strategy_density():
+    cfg = compose("strategy=safusion_saf", "sparsifier=dgc", "sparsifier.max_adjust=2", "strategy.density=0.02")
+    spec = build_strategy(cfg).sparsifier_spec
+    assert isinstance(spec, ssf.sparsifiers.Sparsifier)
+    assert spec.density == 0.02 and spec.max_adjust == 2
+
+
+def test_communicator_options_that_cannot_reach_the_strategy_are_reported(caplog):
+    cfg = compose("strategy=zen", "sparsifier=topk", "fusion=ahead")
+    with caplog.at_level(logging.WARNING):
+        build_strategy(cfg)  # the comm yaml's options are the constructor defaults: nothing to report
+    assert "not applied" not in caplog.text
+    cfg = compose("strategy=zen", "sparsifier=topk", "fusion=ahead", "comm.options.profile_rounds=9")
+    with caplog.at_level(logging.WARNING):
+        build_strategy(cfg)
+    assert "comm options {'profile_rounds': 9} are not applied" in caplog.text
+
+
+def test_dense_baseline_is_lightnings_ddp():
+    cfg = compose("strategy=ddp")
+    assert build_strategy(cfg) == "ddp"
+    assert build_strategy(cfg, multirun=True) == "ddp_spawn"
+    assert resolve_start_method("auto", multirun=False) == "popen"
+    with pytest.raises(ValueError, match="valid choices: auto, popen, spawn"):
+        resolve_start_method("threads", multirun=False)
+
+
+def test_grid_search_preset_is_a_basic_sweeper_multirun():
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = hydra_compose("train", ["hparams_search=density_sparsifier", "paths.output_dir=x"], return_hydra_config=True)
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    assert set(cfg.hydra.sweeper.params) == {"strategy.density", "sparsifier"}
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "ssfusion_lightning.app.sweep.SweepSummary"
+
+
+def test_summary_of_a_sweep_dir(tmp_path):
+    for num, (sparsifier, status) in enumerate([("topk", "completed"), ("dgc", "failed")]):
+        results = {
+            "status": status,
+            "job": {"overrides": [f"sparsifier={sparsifier}", "trainer.max_steps=2"]},
+            "config": {"strategy": {"name": "ssfusion", "kind": "ssfusion", "density": 0.01}, "sparsifier": {"name": sparsifier}},
+            "final_metrics": {"val/loss": 1.5, "perf/samples_per_sec": 3.0} if status == "completed" else {},
+            "bytes_sent_per_step": 10.0,
+            "communication": {"compression_ratio": 50.0},
+        }
+        if status == "failed":
+            results["error"] = "Traceback...\nValueError: boom"
+        (tmp_path / str(num)).mkdir()
+        (tmp_path / str(num) / "results.json").write_text(json.dumps(results))
+    csv_path, md_path = write_summary(tmp_path)
+    rows = list(csv.DictReader(open(csv_path)))
+    assert [(r["job"], r["overrides"], r["status"]) for r in rows] == [
+        ("0", "sparsifier=topk", "completed"),
+        ("1", "sparsifier=dgc", "failed"),
+    ]
+    assert rows[0]["val/loss"] == "1.5" and "perf/samples_per_sec" not in rows[0]
+    assert rows[1]["error"] == "ValueError: boom"
+    assert write_summary(tmp_path / "0" / "nothing") is None

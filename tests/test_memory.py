@@ -1,0 +1,235 @@
+"""Error feedback: exact mass conservation with every sparsifier, no NaN/Inf in the state, DGC momentum."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ssfusion_lightning as ssf
+from ssfusion_lightning.sparsifiers import MEMORIES, build_memory, build_sparsifier
+
+ALL = ssf.available_sparsifiers()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def integer_grads(shape, steps: int, seed: int, dtype=torch.float64):
+    """Integer-valued gradients: every sum below is exact in float64 (and in fp32 at these sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(-1000, 1001, shape, generator=g).to(dtype) for _ in range(steps)]
+
+
+def scatter(values: torch.Tensor, indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    dense = torch.zeros(like.numel(), dtype=like.dtype)
+    dense[indices] = values
+    return dense.view(like.shape)
+
+
+# --------------------------------------------------------------------------- residual: conservation
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_residual_conserves_gradient_mass_exactly(name, dtype):
+    """sum over steps of what was sent + the final residual == sum of the gradients, bit for bit,
+    and sent + residual == compensated at every single step."""
+    memory = build_memory("residual")
+    sparsifier = build_sparsifier(name, density=0.05)
+    shapes = {"conv.weight": (8, 3, 3, 3), "fc.weight": (40, 50), "fc.bias": (40,), "scale": ()}
+    grads = {key: integer_grads(shape, 25, seed) for seed, (key, shape) in enumerate(shapes.items())}
+    sent_total = {key: torch.zeros(shape, dtype=dtype) for key, shape in shapes.items()}
+    for step in range(25):
+        for key in shapes:
+            grad = grads[key][step].to(dtype)
+            compensated = memory.compensate(key, grad)
+            assert compensated.data_ptr() != grad.data_ptr()
+            values, indices = sparsifier.select(compensated, key=key)
+            sent = scatter(values, indices, compensated)
+            memory.update(key, compensated, indices)
+            residual = memory.residual(key)
+            assert torch.equal(sent + residual, compensated)
+            assert not residual.reshape(-1)[indices].any()  # sent positions are cleared
+            sent_total[key] += sent
+        sparsifier.advance()
+    for key in shapes:
+        total = torch.stack([g.to(dtype) for g in grads[key]]).sum(0)
+        assert torch.equal(sent_total[key] + memory.residual(key), total), key
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(ALL),
+    shape=st.sampled_from([(), (1,), (5,), (3, 7), (2, 3, 4), (100,)]),
+    density=st.floats(0.01, 1.0),
+    steps=st.integers(1, 12),
+    seed=st.integers(0, 10_000),
+)
+def test_residual_conservation_property(name, shape, density, steps, seed):
+    memory = build_memory("residual")
+    sparsifier = build_sparsifier(name, density=density)
+    grads = integer_grads(shape, steps, seed)
+    sent_total = torch.zeros(shape, dtype=torch.float64)
+    for grad in grads:
+        compensated = memory.compensate("w", grad)
+        values, indices = sparsifier.select(compensated, key="w")
+        sent_total += scatter(values, indices, compensated)
+        memory.update("w", compensated, indices)
+        sparsifier.advance()
+    assert torch.equal(sent_total + memory.residual("w"), torch.stack(grads).sum(0))
+
+
+def test_none_memory_forgets_and_never_aliases():
+    memory = build_memory("none")
+    grad = torch.ones(4)
+    compensated = memory.compensate("w", grad)
+    assert torch.equal(compensated, grad) and compensated.data_ptr() != grad.data_ptr()
+    memory.update("w", compensated, torch.tensor([0]))
+    assert torch.equal(memory.compensate("w", grad), grad) and memory.residual("w") is None
+    assert memory.state_dict() == {}
+
+
+def test_memory_registry():
+    assert {"none", "residual", "dgc"} <= set(MEMORIES.names())
+    strategy = ssf.SSFusionStrategy(memory="dgc", sparsifier="topk", fusion="ahead", comm="allgather", offload="none")
+    assert strategy.memory_name == "dgc"
+
+
+# --------------------------------------------------------------------------- no NaN/Inf in the state
+@pytest.mark.parametrize("memory_name", ["residual", "dgc"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_non_finite_never_enters_the_state(memory_name, bad, dtype):
+    memory = build_memory(memory_name)
+    grad = torch.arange(1.0, 9.0).to(dtype)
+    compensated = memory.compensate("layer.w", grad)
+    memory.update("layer.w", compensated, torch.tensor([7]))
+    before = memory.state_dict()
+    poisoned = grad.clone()
+    poisoned[3] = bad
+    compensated = memory.compensate("layer.w", poisoned)
+    with pytest.raises(FloatingPointError, match="layer.w"):
+        memory.update("layer.w", compensated, torch.tensor([0]))
+    after = memory.state_dict()
+    for part in before:
+        for key in before[part]:
+            assert torch.equal(before[part][key], after[part][key])
+    for part in after.values():
+        for value in part.values():
+            assert torch.isfinite(value).all()
+    # the memory keeps working with finite gradients afterwards
+    compensated = memory.compensate("layer.w", grad)
+    memory.update("layer.w", compensated, torch.tensor([1]))
+    assert torch.isfinite(memory.residual("layer.w")).all()
+
+
+def test_huge_finite_values_are_not_mistaken_for_overflow():
+    memory = build_memory("residual")
+    big = torch.full((1000,), 6e4, dtype=torch.float16)  # the fp16 sum overflows, the values do not
+    memory.update("w", memory.compensate("w", big), torch.tensor([0]))
+    assert torch.equal(memory.residual("w")[1:], big[1:])
+    big32 = torch.full((4,), 3e38)
+    memory.update("v", memory.compensate("v", big32), torch.tensor([0]))
+    assert torch.equal(memory.residual("v")[1:], big32[1:])
+
+
+@pytest.mark.parametrize("memory_name", ["residual", "dgc"])
+def test_non_finite_state_is_refused_on_load(memory_name):
+    memory = build_memory(memory_name)
+    memory.update("w", memory.compensate("w", torch.ones(3)), torch.tensor([0]))
+    state = memory.state_dict()
+    part = next(iter(state))
+    state[part]["w"][1] = float("nan")
+    fresh = build_memory(memory_name)
+    with pytest.raises(FloatingPointError, match="'w'"):
+        fresh.load_state_dict(state)
+    assert fresh.residual("w") is None
+
+
+@pytest.mark.parametrize("memory_name", ["residual", "dgc"])
+def test_memory_state_round_trip(memory_name):
+    memory = build_memory(memory_name)
+    grads = integer_grads((6, 5), 4, 0, torch.float32)
+    sparsifier = build_sparsifier("topk", density=0.2)
+    for grad in grads[:3]:
+        c = memory.compensate("w", grad)
+        memory.update("w", c, sparsifier.select(c, key="w")[1])
+    buffer = io.BytesIO()
+    torch.save(memory.state_dict(), buffer)
+    buffer.seek(0)
+    restored = build_memory(memory_name)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    a, b = memory.compensate("w", grads[3]), restored.compensate("w", grads[3])
+    assert torch.equal(a, b)
+    memory.reset()
+    assert memory.residual("w") is None
+
+
+# --------------------------------------------------------------------------- DGC momentum correction
+def test_dgc_memory_momentum_semantics():
+    """u = m*u + g; v = v + u; select from v; u and v are zeroed at the sent positions."""
+    m = 0.5  # exact in binary: the reference below is bit-exact
+    memory = build_memory("dgc", momentum=m)
+    grads = integer_grads((10,), 6, 1)
+    u = torch.zeros(10, dtype=torch.float64)
+    v = torch.zeros(10, dtype=torch.float64)
+    sends = [torch.tensor([0, 3]), torch.tensor([], dtype=torch.int64), torch.tensor([3, 9]), torch.arange(10), torch.tensor([5]), torch.tensor([2])]
+    for grad, sent in zip(grads, sends):
+        u = m * u + grad
+        v = v + u
+        compensated = memory.compensate("w", grad)
+        assert torch.equal(compensated, v)
+        memory.update("w", compensated, sent)
+        u[sent] = 0
+        v[sent] = 0
+        assert torch.equal(memory.momenta["w"], u)
+        assert torch.equal(memory.velocities["w"], v)
+        assert torch.equal(memory.residual("w"), v)
+
+
+def test_dgc_memory_sent_plus_velocity_is_compensated():
+    memory = build_memory("dgc")
+    sparsifier = build_sparsifier("dgc", density=0.05)
+    for grad in integer_grads((64, 64), 10, 2, torch.float32):
+        c = memory.compensate("w", grad)
+        values, indices = sparsifier.select(c, key="w")
+        memory.update("w", c, indices)
+        assert torch.equal(scatter(values, indices, c) + memory.residual("w"), c)
+        sparsifier.advance()
+
+
+def test_dgc_memory_without_momentum_is_residual_feedback():
+    dgc, residual = build_memory("dgc", momentum=0.0), build_memory("residual")
+    sparsifier = build_sparsifier("topk", density=0.1)
+    for grad in integer_grads((50,), 8, 3):
+        a, b = dgc.compensate("w", grad), residual.compensate("w", grad)
+        assert torch.equal(a, b)
+        sent = sparsifier.select(a, key="w")[1]
+        dgc.update("w", a, sent)
+        residual.update("w", b, sent)
+
+
+def test_dgc_memory_local_clipping():
+    memory = build_memory("dgc", momentum=0.0, clip_norm=5.0)
+    grad = torch.tensor([3.0, 4.0, 0.0, 0.0]) * 2  # norm 10 -> scaled to norm 5
+    c = memory.compensate("w", grad)
+    assert torch.allclose(c, torch.tensor([3.0, 4.0, 0.0, 0.0]))
+    memory.update("w", c, torch.tensor([0, 1]))
+    small = torch.tensor([0.0, 0.0, 1.0, 0.0])  # below the cap: untouched
+    assert torch.equal(memory.compensate("w", small), small)
+
+
+def test_dgc_memory_rejects_bad_options_and_orphan_updates():
+    with pytest.raises(ValueError):
+        build_memory("dgc", momentum=1.0)
+    with pytest.raises(ValueError):
+        build_memory("dgc", clip_norm=-1.0)
+    with pytest.raises(RuntimeError):
+        build_memory("dgc").update("w", torch.ones(2), torch.tensor([0]))
