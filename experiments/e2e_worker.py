@@ -57,7 +57,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "resnet18": {
         "kind": "image",
         "model": ("resnet18", "tiny", {"width": 16}),
-        "data": ("synthetic_images", {"image_size": 16, "batch_size": 32, "noise_std": 1.5}),
+        "data": ("synthetic_images", {"image_size": 16, "batch_size": 32, "noise_std": 2.5}),
         "task": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4},
     },
     "gpt2": {
@@ -78,7 +78,10 @@ VAL_SAMPLES = 512
 DENSITY = 0.01
 POWERSGD_RANK = 1  # PyTorch's default: the fastest (most demanding) PowerSGD baseline
 #: DDP variants (Lightning's DDPStrategy, comm hook registered by this harness)
-DDP_SCHEMES = ("compute_only", "ddp", "ddp_fp16", "ddp_powersgd")
+#: compute_only: communication removed (each rank keeps its local gradient, no collective at all:
+#: the physical limit); compute_sync: the same plus one 1-element allreduce per step, i.e. the
+#: lockstep floor (every step waits for the slowest rank, as any synchronous scheme must)
+DDP_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd")
 #: fusion-engine schemes: keyword arguments of SSFusionStrategy
 ENGINE_SCHEMES: dict[str, dict[str, Any]] = {
     **{name: dict(SYSTEM_PRESETS[name][1]) for name in ("ssfusion", "safusion", "adtopk", "zen", "oktopk")},
@@ -124,11 +127,18 @@ def serialized(hook):
     return wrapped
 
 
+def _lockstep_hook(state, bucket):
+    """No gradient exchange, but one tiny blocking allreduce per step (after the last bucket)."""
+    if bucket.is_last():
+        dist.all_reduce(torch.zeros(1))
+    return _noop_hook(state, bucket)
+
+
 class HookedDDP(DDPStrategy):
     """Lightning's DDPStrategy with a DDP comm hook registered on CPU too (Lightning only does it on CUDA)."""
 
     def __init__(self, hook: str, **kwargs: Any) -> None:
-        if hook == "noop":
+        if hook in ("noop", "lockstep"):
             kwargs.setdefault("broadcast_buffers", False)
         super().__init__(**kwargs)
         self.hook = hook
@@ -151,6 +161,8 @@ class HookedDDP(DDPStrategy):
             self.model.register_comm_hook(state, self._hook_fn)
         elif self.hook == "noop":
             self.model.register_comm_hook(None, _noop_hook)
+        elif self.hook == "lockstep":
+            self.model.register_comm_hook(None, _lockstep_hook)
 
     def teardown(self) -> None:
         if self._hook_fn is not None:
@@ -158,17 +170,19 @@ class HookedDDP(DDPStrategy):
         super().teardown()
 
 
-def make_strategy(scheme: str) -> Any:
+def make_strategy(scheme: str, overrides: dict[str, Any] | None = None) -> Any:
     if scheme == "ddp":
         return DDPStrategy()
     if scheme == "compute_only":
         return HookedDDP("noop")
+    if scheme == "compute_sync":
+        return HookedDDP("lockstep")
     if scheme == "ddp_fp16":
         return HookedDDP("fp16")
     if scheme == "ddp_powersgd":
         return HookedDDP("powersgd")
     if scheme in ENGINE_SCHEMES:
-        return SSFusionStrategy(density=DENSITY, **ENGINE_SCHEMES[scheme])
+        return SSFusionStrategy(**{"density": DENSITY, **ENGINE_SCHEMES[scheme], **(overrides or {})})
     raise ValueError(f"unknown scheme {scheme!r}; valid choices: {', '.join(SCHEMES)}")
 
 
@@ -267,7 +281,7 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
         accelerator="cpu",
         devices=1,
         num_nodes=world,
-        strategy=make_strategy(run["scheme"]),
+        strategy=make_strategy(run["scheme"], run.get("overrides")),
         max_steps=run["steps"],
         limit_val_batches=0,
         num_sanity_val_steps=0,

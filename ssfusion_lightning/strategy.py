@@ -137,6 +137,7 @@ class SSFusionStrategy(DDPStrategy):
         self._groups: list[dist.ProcessGroup] = []
         self._buffers_due = True
         self._restored_state: dict[str, Any] | None = None
+        self._final_engine_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ registration
     @classmethod
@@ -229,6 +230,8 @@ class SSFusionStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         if self.engine is not None:
+            # trainer.save_checkpoint() after fit() must still carry every rank's engine state
+            self._final_engine_state = self.engine.state_dict()
             self.engine.close()
             self.engine = None
         for group in self._groups:
@@ -290,8 +293,8 @@ class SSFusionStrategy(DDPStrategy):
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Runs on every rank: gather each rank's engine state into rank 0's checkpoint."""
-        if self.engine is not None:
-            state = self.engine.state_dict()
+        state = self.engine.state_dict() if self.engine is not None else self._final_engine_state
+        if state is not None:
             if _distributed_is_initialized():
                 gathered = [None] * self.world_size if self.is_global_zero else None
                 dist.gather_object(state, gathered, dst=0)
@@ -320,6 +323,8 @@ class SSFusionStrategy(DDPStrategy):
         ):
             raise ValueError(f"the checkpoint's {CHECKPOINT_KEY!r} entry is corrupted: expected one engine state per rank")
         ranks = saved["ranks"]
+        for state in ranks:  # every rank checks every slice, so all of them fail alike
+            self.engine.check_state(state)
         if saved["world_size"] != self.world_size:
             rank_zero_warn(
                 f"checkpoint was written with world size {saved['world_size']}, now {self.world_size}: per-rank "
@@ -334,4 +339,5 @@ class SSFusionStrategy(DDPStrategy):
         state = self.__dict__.copy()
         state["engine"] = None
         state["_groups"] = []
+        state["_final_engine_state"] = None
         return state

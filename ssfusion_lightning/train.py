@@ -57,7 +57,9 @@ def build_trainer(config: Mapping[str, Any], job: Mapping[str, Any] | None = Non
     )
 
 
-def run(cfg: DictConfig | Mapping[str, Any], job: Mapping[str, Any] | None = None, multirun: bool = False) -> dict[str, Any]:
+def run(
+    cfg: DictConfig | Mapping[str, Any], job: Mapping[str, Any] | None = None, multirun: bool = False
+) -> dict[str, Any]:
     """Train (and optionally test) the configured job; returns its results (the content of results.json).
 
     ``job`` describes the Hydra job (name, overrides, directories) for results.json; ``multirun``
@@ -107,7 +109,8 @@ def format_results(results: Mapping[str, Any]) -> str:
             return f"{value:,.4g}{unit}"
         return f"{value}{unit}"
 
-    lines = [f"status: {results.get('status')}  steps: {results.get('global_step')}  world size: {results.get('world_size')}"]
+    status, steps, world = results.get("status"), results.get("global_step"), results.get("world_size")
+    lines = [f"status: {status}  steps: {steps}  world size: {world}"]
     for key, value in (results.get("final_metrics") or {}).items():
         lines.append(f"  {key:<28} {number(value)}")
     comm = results.get("communication") or {}

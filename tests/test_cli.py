@@ -24,7 +24,8 @@ from ssfusion_lightning.app.sweep import write_summary
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
-GROUPS = ("model", "data", "sparsifier", "fusion", "comm", "strategy", "trainer", "logger", "callbacks", "experiment", "hparams_search")
+GROUPS = ("model", "data", "sparsifier", "fusion", "comm", "strategy", "trainer", "logger", "callbacks")
+GROUPS += ("experiment", "hparams_search")
 FUSION_POLICIES = ("layerwise", "behind", "ahead", "aligned", "adaptive", "selective", "partial")
 ABLATIONS = {
     # name: (sparsifier, fusion, comm, offload)
@@ -66,6 +67,7 @@ def test_help_lists_every_group_and_its_options(tmp_path):
         assert preset in lines["strategy"].split(": ")[1].split(", ")
     assert "resnet152-imagenet-tiny" in lines["experiment"]
     assert "ddp_cpu" in lines["trainer"]
+    assert lines["logger"].split(": ")[1].split(", ") == ["csv", "many", "none", "tensorboard"]
     assert "ssfusion-train -m" in done.stdout  # the examples
     assert list(tmp_path.iterdir()) == []  # --help runs no job
 
@@ -216,7 +218,8 @@ def test_grid_search_preset_is_a_basic_sweeper_multirun():
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = hydra_compose("train", ["hparams_search=density_sparsifier", "paths.output_dir=x"], return_hydra_config=True)
+        overrides = ["hparams_search=density_sparsifier", "paths.output_dir=x"]
+        cfg = hydra_compose("train", overrides, return_hydra_config=True)
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
     assert set(cfg.hydra.sweeper.params) == {"strategy.density", "sparsifier"}
     assert cfg.hydra.callbacks.sweep_summary._target_ == "ssfusion_lightning.app.sweep.SweepSummary"
@@ -227,7 +230,10 @@ def test_summary_of_a_sweep_dir(tmp_path):
         results = {
             "status": status,
             "job": {"overrides": [f"sparsifier={sparsifier}", "trainer.max_steps=2"]},
-            "config": {"strategy": {"name": "ssfusion", "kind": "ssfusion", "density": 0.01}, "sparsifier": {"name": sparsifier}},
+            "config": {
+                "strategy": {"name": "ssfusion", "kind": "ssfusion", "density": 0.01},
+                "sparsifier": {"name": sparsifier},
+            },
             "final_metrics": {"val/loss": 1.5, "perf/samples_per_sec": 3.0} if status == "completed" else {},
             "bytes_sent_per_step": 10.0,
             "communication": {"compression_ratio": 50.0},

@@ -112,13 +112,27 @@ def test_tiny_twin_trains_on_two_ranks(name, pool2, tmp_path):
     assert (tmp_path / "csv" / "metrics.csv").exists()
 
 
-def test_dense_ddp_baseline_reports_ring_allreduce_bytes(pool2, tmp_path):
-    cfg = compose_config(["experiment=gpt2-large-tiny", "strategy=ddp", f"paths.output_dir={tmp_path}", *FAST])
+def test_dense_ddp_baseline_reports_ring_allreduce_bytes_and_test_metrics(pool2, tmp_path):
+    overrides = ["experiment=gpt2-large-tiny", "strategy=ddp", "test_after_fit=true", "trainer.limit_test_batches=1"]
+    cfg = compose_config([*overrides, f"paths.output_dir={tmp_path}", *FAST])
     rank0 = pool2.run(_run_in_rank, OmegaConf.to_container(cfg, resolve=True), timeout=240)[0]
     comm = rank0["communication"]
     assert comm["source"] == "ddp_ring_allreduce_estimate"
     # world size 2: a ring all-reduce sends 2(P-1)/P = 1 times the parameter bytes
     assert rank0["bytes_sent_per_step"] == rank0["dense_equivalent_bytes_per_step"] == comm["parameter_bytes"]
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert {"test/loss", "test/ppl", "val/ppl"} <= set(written["final_metrics"])
+
+
+def test_a_failed_job_writes_its_error(tmp_path):
+    from ssfusion_lightning.train import run
+
+    cfg = compose_config(["model=gpt2", "data=synthetic_images", f"paths.output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="not a language model|does not classify images"):
+        run(cfg)
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["status"] == "failed" and "ValueError" in written["error"]
+    assert written["config"]["model"]["name"] == "gpt2"
 
 
 def test_command_line_single_job_on_two_ranks(tmp_path):

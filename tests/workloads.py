@@ -58,7 +58,7 @@ def regression_data(n: int = 256, seed: int = 1234) -> TensorDataset:
 def make_trainer(strategy: Any, steps: int, **kwargs: Any) -> L.Trainer:
     options = dict(
         accelerator="cpu",
-        devices=dist.get_world_size(),
+        devices=dist.get_world_size() if dist.is_initialized() else 2,
         strategy=strategy,
         max_steps=steps,
         logger=False,

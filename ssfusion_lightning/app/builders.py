@@ -25,7 +25,6 @@ SSFUSION_OPTIONS = (
     "find_unused_parameters",
     "broadcast_buffers",
 )
-DDP_OPTIONS = ("find_unused_parameters",)
 
 
 def plain(node: Any) -> Any:
@@ -80,7 +79,7 @@ def wire_model_kwargs(model_name: str, size: str, kwargs: dict[str, Any], datamo
 
     if isinstance(datamodule, ImageDataModule):
         if kind != "image":
-            raise ValueError(f"model {model_name!r} does not classify images, but data yields images; pick an image model")
+            raise ValueError(f"model {model_name!r} does not classify images, but the data yields images")
         fill("num_classes", datamodule.num_classes)
         fill("in_channels", datamodule.image_shape[0])
         fill("image_size", datamodule.image_shape[-1])
@@ -156,7 +155,9 @@ def build_sparsifier_spec(sparsifier_cfg: Any, density: float) -> Any:
     own_density = options.pop("density", None)
     if own_density is not None and own_density != density:
         log.warning(
-            "sparsifier.density=%s is ignored: the strategy's density (strategy.density=%s) applies", own_density, density
+            "sparsifier.density=%s is ignored: the strategy's density (strategy.density=%s) applies",
+            own_density,
+            density,
         )
     if not options:
         return name

@@ -54,7 +54,9 @@ class SamplesPerSecond(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._restart_clock()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         now = time.perf_counter()
         if self._mark is None:
             self._mark = now
@@ -88,8 +90,8 @@ def ring_allreduce_bytes(parameter_bytes: int, world_size: int) -> float:
 class CommunicationStats(Callback):
     """Per-step communication of this rank, averaged over the run.
 
-    Under SSFusionStrategy: the engine's ``StepMetrics`` (``strategy.last_metrics``) of every
-    synchronized step. Under plain DDP: the dense ring all-reduce of the trainable parameters
+    Under SSFusionStrategy: every field of the engine's ``StepMetrics`` (``strategy.last_metrics``)
+    of every synchronized step. Under plain DDP: the dense ring all-reduce of the trainable parameters
     (2(P-1)/P times their bytes), which is both the bytes sent and the dense equivalent.
     """
 
@@ -124,24 +126,26 @@ class CommunicationStats(Callback):
             self.source = "ddp_ring_allreduce_estimate"
         self._last_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.source == "ssfusion":
             metrics = trainer.strategy.last_metrics
             if metrics is self._last_seen:  # no synchronization in this micro-batch (gradient accumulation)
                 return
             self._last_seen = metrics
-            for key in self.FIELDS:
-                self.totals[key] += float(getattr(metrics, key, 0.0))
+            for key, value in metrics.as_dict().items():  # every StepMetrics field, averaged per step
+                self.totals[key] = self.totals.get(key, 0.0) + float(value)
             self.steps += 1
         elif self.source == "ddp_ring_allreduce_estimate" and trainer.global_step > self._last_step:
             self._last_step = trainer.global_step
             dense = ring_allreduce_bytes(self.parameter_bytes, trainer.world_size)
-            for key in ("bytes_sent", "bytes_received", "padded_bytes_sent", "padded_bytes_received", "dense_equivalent_bytes"):
+            for key in self.FIELDS[:5]:  # sent, received, padded sent/received, dense equivalent
                 self.totals[key] += dense
             self.steps += 1
 
     def summary(self) -> dict[str, Any]:
-        per_step = {f"{key}_per_step": (value / self.steps if self.steps else None) for key, value in self.totals.items()}
+        per_step = {f"{key}_per_step": value / self.steps if self.steps else None for key, value in self.totals.items()}
         sent, dense = per_step["bytes_sent_per_step"], per_step["dense_equivalent_bytes_per_step"]
         return {
             "source": self.source,
@@ -175,7 +179,9 @@ class ResultsWriter(Callback):
     inside the training processes: under the spawn launcher the launching process is no rank.
     """
 
-    def __init__(self, output_dir: str | os.PathLike[str], config: Mapping[str, Any], job: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, output_dir: str | os.PathLike[str], config: Mapping[str, Any], job: Mapping[str, Any] | None = None
+    ) -> None:
         self.path = Path(output_dir) / RESULTS_FILE
         self.config = dict(config)
         self.job = dict(job or {})
@@ -204,7 +210,9 @@ class ResultsWriter(Callback):
             "parameters": sum(p.numel() for p in pl_module.parameters()),
             # per-step throughput is summarized under "throughput" (the last step's value says little)
             "final_metrics": {
-                key: _number(value) for key, value in sorted(trainer.callback_metrics.items()) if not key.startswith("perf/")
+                key: _number(value)
+                for key, value in sorted(trainer.callback_metrics.items())
+                if not key.startswith("perf/")
             },
             "samples_per_sec": speed.get("samples_per_sec"),
             "bytes_sent_per_step": comm_summary.get("bytes_sent_per_step"),

@@ -409,20 +409,27 @@ class FusionEngine:
             "communicator": self.communicator.state_dict(),
         }
 
+    def check_state(self, state: Any) -> None:
+        """Refuse a state that is corrupted or belongs to another model, with a clear error."""
+        keys = {"step", "plan", "order", "costs", "sparsifier", "memory", "communicator"}
+        if not isinstance(state, dict) or keys - set(state) or not isinstance(state["plan"], Plan):
+            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"corrupted engine state: expected entries {sorted(keys)}, found {found}")
+        if not isinstance(state["step"], int) or not isinstance(state["order"], list):
+            raise ValueError("corrupted engine state: 'step' must be an int and 'order' a list")
+        saved = sorted((s.name, s.numel) for b in state["plan"].buffers for s in b.slots)
+        ours = sorted((spec.name, spec.numel) for _, spec in self.specs(range(len(self.params))))
+        if saved != ours:
+            differing = sorted({n for n, _ in ours} ^ {n for n, _ in saved})[:5]
+            raise ValueError(
+                f"the checkpoint's engine state belongs to a different model (parameters differ, e.g. {differing})"
+            )
+
     def load_state_dict(self, state: dict[str, Any], per_rank: bool = True) -> None:
         """Restore a rank's state; with ``per_rank=False`` (another world size) keep only the step
         counter and the plan, and start error feedback and sparsifier state afresh."""
-        missing = {"step", "plan", "order", "costs", "sparsifier", "memory", "communicator"} - set(state)
-        if missing or not isinstance(state["plan"], Plan):
-            raise ValueError(f"corrupted engine state: missing or invalid entries {sorted(missing) or ['plan']}")
+        self.check_state(state)
         plan: Plan = state["plan"]
-        saved = sorted((s.name, s.numel) for b in plan.buffers for s in b.slots)
-        ours = sorted((spec.name, spec.numel) for _, spec in self.specs(range(len(self.params))))
-        if saved != ours:
-            missing = sorted({n for n, _ in ours} ^ {n for n, _ in saved})[:5]
-            raise ValueError(
-                f"the checkpoint's engine state belongs to a different model (parameters differ, e.g. {missing})"
-            )
         self.step = int(state["step"])
         self._rebuild_from_ready_order = False
         self.order = list(state["order"])

@@ -26,8 +26,13 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-#: elements per chunk of the CPU selection pass (scratch: 4 bytes + 1 byte per element for fp32)
-CHUNK = 1 << 18
+#: elements per chunk of the CPU selection pass (fp32 scratch: 6 bytes per element, 12 MiB; small
+#: enough for glibc malloc to reuse it from call to call instead of page-faulting fresh memory)
+CHUNK = 1 << 21
+#: below this size the CPU selection is one plain compare + nonzero
+FOLD_MIN = 1 << 15
+#: at most 2^MAX_LEVELS elements per group in the fold
+MAX_LEVELS = 6
 #: below this size exact top-k runs torch.topk directly (the pre-filter cannot pay off)
 PREFILTER_MIN_NUMEL = 1 << 16
 #: sample size of the top-k pre-filter
@@ -50,38 +55,59 @@ def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
 
     NaN never qualifies. The threshold is compared in the tensor's dtype (as torch does for a
     Python scalar), consistently across calls, so nested thresholds give nested sets.
+
+    CPU: chunks of ``CHUNK`` elements (scratch small enough for malloc to reuse: no page faults).
+    Per chunk, |x| is folded in halves ``levels`` times with ``maximum`` (contiguous, vectorized),
+    so slot j of the fold holds the largest magnitude of the group {j, j + s, ..., j + (G-1) s}
+    (G = 2^levels, s = chunk / G). Only groups whose maximum reaches the threshold are inspected,
+    member by member, which replaces a compare and a ``nonzero`` over every element by the same
+    over 1/G of them plus a gather of the hit groups. ``levels`` adapts to the hit rate of the
+    previous chunk. A NaN makes its group a hit (``maximum`` propagates it) but is never selected.
     """
     n = flat.numel()
-    strict = not threshold > 0  # also catches NaN thresholds below
     if math.isnan(threshold):
         return empty_indices(flat.device)
+    strict = not threshold > 0
     if threshold == math.inf:
         return (flat.abs() == math.inf).nonzero().view(-1)
     cut = 0.0 if strict else threshold
-    if flat.device.type != "cpu" or n <= CHUNK:
+    if flat.device.type != "cpu" or n <= FOLD_MIN:
         mag = flat.abs()
         mask = mag > cut if strict else mag >= cut
         return mask.nonzero().view(-1)
-    chunk = CHUNK
-    mag = torch.empty(chunk, dtype=flat.dtype)
-    mask = torch.empty(chunk, dtype=torch.bool)
-    words = mask.view(torch.int64)
-    bytes8 = mask.view(-1, 8)
+    chunk = min(CHUNK, n)
+    mag = torch.empty(chunk + (1 << MAX_LEVELS), dtype=flat.dtype)
+    fold = torch.empty(mag.numel() // 2, dtype=flat.dtype)
+    not_hit = torch.le if strict else torch.lt
+    member = torch.gt if strict else torch.ge
+    levels = 3
     pieces = []
-    compare = torch.gt if strict else torch.ge
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         length = stop - start
-        if length < chunk:
-            # the tail: clear the padding so the word decode never sees stale bytes
-            mask.zero_()
+        groups_of = 1 << levels
+        padded = -(-length // groups_of) * groups_of
         torch.abs(flat[start:stop], out=mag[:length])
-        compare(mag[:length], cut, out=mask[:length])
-        hit_words = words.nonzero().view(-1)
-        if hit_words.numel() == 0:
+        if padded > length:
+            mag[length:padded].zero_()  # zeros never qualify
+        width, source = padded, mag
+        for _ in range(levels):
+            width //= 2
+            torch.maximum(source[:width], source[width : 2 * width], out=fold[:width])
+            source = fold
+        stride = width
+        hit = not_hit(fold[:stride], cut).logical_not_().nonzero().view(-1)
+        rate = hit.numel() / stride
+        if rate < 0.04 and levels < MAX_LEVELS:
+            levels += 1
+        elif rate > 0.3 and levels > 1:
+            levels -= 1
+        if hit.numel() == 0:
             continue
-        rows_cols = bytes8[hit_words].nonzero()
-        pieces.append(hit_words[rows_cols[:, 0]].mul_(8).add_(rows_cols[:, 1]).add_(start))
+        members = mag[:padded].view(groups_of, stride).index_select(1, hit)
+        which = member(members, cut).nonzero()
+        # (member, group) order: member c covers positions [c * stride, (c + 1) * stride), so sorted
+        pieces.append(hit[which[:, 1]].add_(which[:, 0] * stride).add_(start))
     if not pieces:
         return empty_indices(flat.device)
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -1,0 +1,664 @@
+"""End-to-end benchmark on the emulated cluster: DDP (dense, fp16 hook, PowerSGD hook) versus the
+fusion-engine schemes (ssfusion, safusion, adtopk, zen, oktopk, layerwise, behind), per link rate.
+
+    python -m experiments.bench_e2e                 # full run (~20-25 min on 2 cores): P = 2, 4
+    python -m experiments.bench_e2e --quick         # smoke run (~2-3 min): P = 2, smaller models
+    python -m experiments.bench_e2e --from-csv      # tables, plots and REPORT.md block from the CSVs
+
+For each world size P one process per emulated node is started once (experiments/e2e_worker.py);
+the link rate changes between phases (unshaped first, then slower and slower links) and every
+phase runs every workload x scheme as a fresh Lightning fit, side by side under the same load.
+
+Per (P, rate, workload, scheme) it reports the median step time over the measured steps (the
+first ``--warmup`` steps are dropped: the engine rebuilds its plan after step 0 and profiles
+steps 1-3), samples/s, the time split (compute = the ``compute_only`` run of the same phase;
+compression and exposed communication from ``strategy.last_metrics``; for the DDP variants the
+exposed communication is step - compute), bytes per step, and after the long runs of the first
+(unshaped) phase of the largest P the validation loss / accuracy reached after the same steps.
+
+Outputs under --out (default experiments/results): e2e_steps.csv (every step of every run),
+e2e_runs.csv (one row per run), e2e.csv/e2e.md (summary), e2e_targets.csv/md (targets),
+e2e_throughput.png, e2e_breakdown.png, and the block between the e2e markers in
+experiments/REPORT.md. ``--from-csv`` rebuilds all but the first two from the first two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+REPORT = HERE / "REPORT.md"
+
+DDP_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd")
+ENGINE_SCHEMES = ("ssfusion", "ssfusion_dense", "safusion", "adtopk", "zen", "oktopk", "layerwise", "behind")
+SCHEMES = DDP_SCHEMES + ENGINE_SCHEMES
+#: schemes trained for --acc-steps in the accuracy phase (the others do not train a shared model)
+ACCURACY_SCHEMES = tuple(s for s in SCHEMES if s not in ("compute_only", "compute_sync", "ssfusion_dense"))
+HOOKS = ("ddp_fp16", "ddp_powersgd")
+DEFAULT_RATES = ["none", "400mbit", "120mbit", "40mbit"]
+WORKLOADS = ("resnet18", "gpt2")
+
+STEP_FIELDS = [
+    "world", "rate", "workload", "scheme", "rep", "step", "seconds", "bytes_sent", "bytes_received",
+    "dense_equivalent_bytes", "compress_seconds", "exposed_comm_seconds", "buffers", "dense_tensors",
+    "sparse_tensors", "hook_payload_bytes",
+]
+RUN_FIELDS = [
+    "world", "rate", "workload", "scheme", "rep", "steps", "warmup", "params", "param_tensors",
+    "per_rank_batch", "fit_seconds", "val_loss", "val_acc", "error",
+]
+SUMMARY_FIELDS = [
+    "world", "rate", "rate_mbit", "workload", "scheme", "steps_measured", "step_ms", "step_p25_ms", "step_p75_ms",
+    "samples_per_s", "compute_ms", "lockstep_ms", "compress_ms", "exposed_comm_ms", "other_ms", "comm_fraction",
+    "bytes_per_step", "dense_bytes_per_step", "x_ddp", "x_best_hook", "of_compute", "val_acc", "val_loss",
+]
+TARGET_FIELDS = ["world", "workload", "check", "rate", "value", "target", "met", "note"]
+
+
+# =========================================================================== running
+def rate_mbit(rate: str) -> float:
+    """Link rate in Mbit/s; inf for an unshaped link."""
+    if rate in ("none", "", None):
+        return math.inf
+    from experiments.cluster.units import parse_rate
+
+    return parse_rate(rate) / 1e6
+
+
+def rate_label(rate: str) -> str:
+    return "unshaped" if rate_mbit(rate) == math.inf else rate
+
+
+def build_phases(world: int, args: argparse.Namespace, accuracy_world: int) -> list[dict[str, Any]]:
+    phases = []
+    for index, rate in enumerate(args.rates):
+        accuracy = index == 0 and world == accuracy_world and args.acc_steps > 0
+        runs = []
+        for workload in args.workloads:
+            for rep in range(args.repeats):
+                for scheme in args.schemes:
+                    if scheme == "ssfusion_dense" and rate_mbit(rate) != math.inf:
+                        continue  # the engine-overhead check runs on the unshaped link only
+                    long = accuracy and scheme in ACCURACY_SCHEMES and rep == 0
+                    runs.append({
+                        "workload": workload, "scheme": scheme, "rep": rep, "seed": args.seed,
+                        "steps": args.acc_steps if long else args.steps, "warmup": args.warmup, "eval": long,
+                    })
+        phases.append({"label": rate, "runs": runs})
+    return phases
+
+
+def run_world(world: int, phases: list[dict[str, Any]], args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """One launch of P ranks on the emulated cluster; the host sets each phase's rate."""
+    from experiments.cluster import EmulatedCluster
+
+    ctl = workdir / f"P{world}"
+    ctl.mkdir(parents=True, exist_ok=True)
+    out = ctl / "runs.jsonl"
+    spec = {"ctl": str(ctl), "out": str(out), "quick": args.quick, "phases": phases, "phase_timeout": args.timeout}
+    (ctl / "spec.json").write_text(json.dumps(spec, indent=1))
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [sys.executable, "-m", "experiments.e2e_worker", str(ctl / "spec.json")]
+    total = sum(len(p["runs"]) for p in phases)
+    print(f"== P={world}: {len(phases)} phases, {total} runs (logs: {ctl / 'logs'})", flush=True)
+    started = time.monotonic()
+    with EmulatedCluster(nodes=world, rate=phases[0]["label"], delay=args.delay) as cluster:
+        box: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda: box.setdefault(
+                "result", cluster.run(cmd, env=env, timeout=args.timeout, log_dir=ctl / "logs", stream=False)
+            ),
+            daemon=True,
+        )
+        thread.start()
+        seen = 0
+        for index, phase in enumerate(phases):
+            cluster.set_rate(phase["label"])
+            (ctl / f"go_{index}").write_text("go")
+            while not (ctl / f"done_{index}").exists():
+                seen = _progress(out, seen, started)
+                if not thread.is_alive() or (ctl / "failed").exists():
+                    break
+                time.sleep(0.25)
+            else:
+                continue
+            break
+        thread.join()
+        _progress(out, seen, started)
+    result = box.get("result")
+    runs = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    if result is None or result.returncode != 0 or len(runs) < total:
+        tail = result.log(0)[-3000:] if result is not None else ""
+        print(f"!! P={world}: rc={getattr(result, 'returncode', None)}, {len(runs)}/{total} runs recorded\n{tail}", flush=True)
+    return runs
+
+
+def _progress(out: Path, seen: int, started: float) -> int:
+    if not out.exists():
+        return seen
+    lines = out.read_text().splitlines()
+    for line in lines[seen:]:
+        run = json.loads(line)
+        if "error" in run:
+            print(f"  [{time.monotonic() - started:6.0f}s] {run['phase']:>9} {run['workload']:<9} {run['scheme']:<15} "
+                  f"FAILED\n{run['error'][-1500:]}", flush=True)
+            continue
+        measured = run["step_seconds"][run["warmup"]:] or run["step_seconds"]
+        print(f"  [{time.monotonic() - started:6.0f}s] {rate_label(run['phase']):>9} {run['workload']:<9} "
+              f"{run['scheme']:<15} {statistics.median(measured) * 1e3:8.1f} ms/step", flush=True)
+    return len(lines)
+
+
+# =========================================================================== raw CSVs
+def raw_rows(runs: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    steps, rows = [], []
+    for run in runs:
+        key = {k: run[k] for k in ("world", "workload", "scheme", "rep")}
+        key["rate"] = run["phase"]
+        ev = run.get("eval") or {}
+        rows.append({
+            **key, "steps": run["steps"], "warmup": run["warmup"], "params": run.get("params", ""),
+            "param_tensors": run.get("param_tensors", ""), "per_rank_batch": run.get("per_rank_batch", ""),
+            "fit_seconds": _fmt(run.get("fit_seconds")), "val_loss": _fmt(ev.get("val_loss")),
+            "val_acc": _fmt(ev.get("val_acc")),
+            "error": run["error"].strip().splitlines()[-1] if run.get("error") else "",
+        })
+        engine = run.get("engine") or []
+        hook = run.get("hook_payload") or []
+        for step, seconds in enumerate(run.get("step_seconds") or []):
+            m = engine[step] if step < len(engine) else {}
+            steps.append({
+                **key, "step": step, "seconds": f"{seconds:.6f}",
+                **{f: _fmt(m.get(f)) for f in ("bytes_sent", "bytes_received", "dense_equivalent_bytes",
+                                              "compress_seconds", "exposed_comm_seconds", "buffers",
+                                              "dense_tensors", "sparse_tensors")},
+                "hook_payload_bytes": hook[step] if step < len(hook) else "",
+            })
+    return steps, rows
+
+
+def _fmt(value: Any) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}" if not value.is_integer() else str(int(value))
+    return str(value)
+
+
+def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# =========================================================================== summary
+def ring_bytes(payload: float, world: int) -> float:
+    return 2 * (world - 1) / world * payload if world > 1 else 0.0
+
+
+def _num(value: str) -> float | None:
+    return float(value) if value not in ("", None) else None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    pos = q * (len(values) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def summarize(steps: list[dict[str, str]], runs: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """One row per (world, rate, workload, scheme), from the raw CSV rows."""
+    warmup = {(r["world"], r["rate"], r["workload"], r["scheme"], r["rep"]): int(r["warmup"]) for r in runs}
+    info: dict[tuple, dict[str, str]] = {}
+    for r in runs:
+        key = (r["world"], r["rate"], r["workload"], r["scheme"])
+        if r["error"]:
+            continue
+        if key not in info or r["val_acc"]:
+            info[key] = r
+    measured: dict[tuple, list[dict[str, str]]] = defaultdict(list)
+    for s in steps:
+        key5 = (s["world"], s["rate"], s["workload"], s["scheme"], s["rep"])
+        if int(s["step"]) >= warmup.get(key5, 0):
+            measured[key5[:4]].append(s)
+
+    rows: dict[tuple, dict[str, Any]] = {}
+    for key, items in measured.items():
+        world, rate, workload, scheme = key
+        run = info.get(key)
+        if run is None:
+            continue
+        P = int(world)
+        seconds = [float(s["seconds"]) for s in items]
+        step = statistics.median(seconds)
+        params = int(run["params"])
+        dense = ring_bytes(params * 4, P)
+        if scheme in ENGINE_SCHEMES:
+            sent = _median([v for s in items if (v := _num(s["bytes_sent"])) is not None])
+        elif scheme in HOOKS:
+            sent = _median([ring_bytes(v, P) for s in items if (v := _num(s["hook_payload_bytes"])) is not None])
+        elif scheme == "ddp":
+            sent = dense
+        else:
+            sent = 0.0
+        rows[key] = {
+            "world": P, "rate": rate, "rate_mbit": rate_mbit(rate), "workload": workload, "scheme": scheme,
+            "steps_measured": len(seconds), "step_s": step,
+            "step_p25_s": _quantile(seconds, 0.25), "step_p75_s": _quantile(seconds, 0.75),
+            "samples_per_s": P * int(run["per_rank_batch"]) / step,
+            "compress_s": _median([v for s in items if (v := _num(s["compress_seconds"])) is not None]),
+            "exposed_engine_s": _median([v for s in items if (v := _num(s["exposed_comm_seconds"])) is not None]),
+            "bytes_per_step": sent, "dense_bytes_per_step": dense,
+            "val_acc": _num(run["val_acc"]), "val_loss": _num(run["val_loss"]),
+        }
+    out = []
+    for key, row in rows.items():
+        world, rate, workload, scheme = key
+        group = lambda s: rows.get((world, rate, workload, s))  # noqa: E731
+        compute = group("compute_only")
+        lockstep = group("compute_sync")
+        ddp = group("ddp")
+        hooks = [h for h in (group(s) for s in HOOKS) if h is not None]
+        row["compute_s"] = compute["step_s"] if compute else None
+        row["lockstep_s"] = lockstep["step_s"] if lockstep else None
+        if scheme in ENGINE_SCHEMES:
+            row["exposed_comm_s"] = row["exposed_engine_s"]
+        elif scheme in ("ddp", *HOOKS) and compute:
+            row["exposed_comm_s"] = max(0.0, row["step_s"] - compute["step_s"])
+            row["compress_s"] = None
+        else:
+            row["exposed_comm_s"] = None
+            row["compress_s"] = None
+        if compute and row["exposed_comm_s"] is not None:
+            row["other_s"] = row["step_s"] - compute["step_s"] - row["exposed_comm_s"] - (row["compress_s"] or 0.0)
+        else:
+            row["other_s"] = None
+        row["comm_fraction"] = row["exposed_comm_s"] / row["step_s"] if row["exposed_comm_s"] is not None else None
+        row["x_ddp"] = ddp["step_s"] / row["step_s"] if ddp else None
+        row["x_best_hook"] = min(h["step_s"] for h in hooks) / row["step_s"] if hooks else None
+        row["of_compute"] = compute["step_s"] / row["step_s"] if compute else None
+        out.append(row)
+    order = {s: i for i, s in enumerate(SCHEMES)}
+    out.sort(key=lambda r: (r["world"], -r["rate_mbit"], r["workload"], order.get(r["scheme"], 99)))
+    return out
+
+
+def summary_csv_rows(summary: list[dict[str, Any]]) -> list[dict[str, str]]:
+    rows = []
+    for r in summary:
+        ms = lambda k: "" if r.get(k) is None else f"{r[k] * 1e3:.2f}"  # noqa: E731
+        num = lambda k, f="{:.4g}": "" if r.get(k) is None else f.format(r[k])  # noqa: E731
+        rows.append({
+            "world": r["world"], "rate": rate_label(r["rate"]),
+            "rate_mbit": "inf" if r["rate_mbit"] == math.inf else f"{r['rate_mbit']:g}",
+            "workload": r["workload"], "scheme": r["scheme"], "steps_measured": r["steps_measured"],
+            "step_ms": ms("step_s"), "step_p25_ms": ms("step_p25_s"), "step_p75_ms": ms("step_p75_s"),
+            "samples_per_s": num("samples_per_s", "{:.1f}"), "compute_ms": ms("compute_s"),
+            "lockstep_ms": ms("lockstep_s"), "compress_ms": ms("compress_s"), "exposed_comm_ms": ms("exposed_comm_s"),
+            "other_ms": ms("other_s"), "comm_fraction": num("comm_fraction", "{:.3f}"),
+            "bytes_per_step": num("bytes_per_step", "{:.0f}"), "dense_bytes_per_step": num("dense_bytes_per_step", "{:.0f}"),
+            "x_ddp": num("x_ddp", "{:.3f}"), "x_best_hook": num("x_best_hook", "{:.3f}"),
+            "of_compute": num("of_compute", "{:.3f}"), "val_acc": num("val_acc", "{:.4f}"),
+            "val_loss": num("val_loss", "{:.4f}"),
+        })
+    return rows
+
+
+# =========================================================================== targets
+def headline_rate(summary: list[dict[str, Any]], world: int, workload: str) -> tuple[str | None, bool]:
+    """The fastest shaped link at which dense DDP spends >= 2/3 of its step communicating
+    (``(False)`` and the slowest link when no measured rate qualifies)."""
+    ddp = [r for r in summary if r["world"] == world and r["workload"] == workload and r["scheme"] == "ddp"
+           and r["comm_fraction"] is not None and r["rate_mbit"] != math.inf]
+    if not ddp:
+        return None, False
+    bound = [r for r in ddp if r["comm_fraction"] >= 2 / 3]
+    if bound:
+        return max(bound, key=lambda r: r["rate_mbit"])["rate"], True
+    return min(ddp, key=lambda r: r["rate_mbit"])["rate"], False
+
+
+def targets(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    find = {(r["world"], r["rate"], r["workload"], r["scheme"]): r for r in summary}
+    worlds = sorted({r["world"] for r in summary})
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in summary)] + sorted(
+        {r["workload"] for r in summary} - set(WORKLOADS))
+    out = []
+
+    def add(world, workload, check, rate, value, target, met, note=""):
+        out.append({"world": world, "workload": workload, "check": check, "rate": rate_label(rate) if rate else "",
+                    "value": value, "target": target, "met": met, "note": note})
+
+    for world in worlds:
+        for workload in workloads:
+            rate, bound = headline_rate(summary, world, workload)
+            if rate is not None:
+                ddp = find.get((world, rate, workload, "ddp"))
+                ssf = find.get((world, rate, workload, "ssfusion"))
+                note = f"DDP comm fraction {ddp['comm_fraction']:.2f}" + ("" if bound else " (< 2/3 at every measured rate)")
+                add(world, workload, "ddp_comm_fraction", rate, ddp["comm_fraction"], ">= 0.667", bound, "")
+                if ssf:
+                    add(world, workload, "ssfusion_x_ddp", rate, ssf["x_ddp"], ">= 2.5", ssf["x_ddp"] >= 2.5, note)
+                    hooks = [find.get((world, rate, workload, h)) for h in HOOKS]
+                    best = min((h for h in hooks if h), key=lambda h: h["step_s"], default=None)
+                    add(world, workload, "ssfusion_x_best_hook", rate, ssf["x_best_hook"], ">= 1.3",
+                        ssf["x_best_hook"] is not None and ssf["x_best_hook"] >= 1.3,
+                        f"best hook: {best['scheme']}" if best else "")
+                    add(world, workload, "ssfusion_of_compute", rate, ssf["of_compute"], ">= 0.8",
+                        ssf["of_compute"] >= 0.8,
+                        f"compute {ssf['compute_s'] * 1e3:.0f} ms, lockstep floor "
+                        f"{(ssf['lockstep_s'] or 0) * 1e3:.0f} ms, compress {(ssf['compress_s'] or 0) * 1e3:.0f} ms, "
+                        f"exposed comm {(ssf['exposed_comm_s'] or 0) * 1e3:.0f} ms, other {(ssf['other_s'] or 0) * 1e3:.0f} ms "
+                        f"of {ssf['step_s'] * 1e3:.0f} ms")
+            acc = [r for r in summary if r["world"] == world and r["workload"] == workload and r["val_acc"] is not None]
+            ddp_acc = next((r for r in acc if r["scheme"] == "ddp"), None)
+            ssf_acc = next((r for r in acc if r["scheme"] == "ssfusion"), None)
+            if ddp_acc and ssf_acc:
+                delta = 100 * (ssf_acc["val_acc"] - ddp_acc["val_acc"])
+                add(world, workload, "ssfusion_acc_minus_ddp_points", ssf_acc["rate"], delta, ">= -1", delta >= -1,
+                    f"val acc {ssf_acc['val_acc']:.4f} vs {ddp_acc['val_acc']:.4f}; val loss "
+                    f"{ssf_acc['val_loss']:.3f} vs {ddp_acc['val_loss']:.3f}")
+            for r in summary:
+                if (r["world"], r["workload"], r["scheme"]) == (world, workload, "ssfusion_dense") and r["rate_mbit"] == math.inf:
+                    ddp = find.get((world, r["rate"], workload, "ddp"))
+                    if ddp:
+                        ratio = r["step_s"] / ddp["step_s"]
+                        add(world, workload, "dense_engine_step_over_ddp", r["rate"], ratio, "<= 1.1", ratio <= 1.1,
+                            f"{r['step_s'] * 1e3:.1f} ms vs {ddp['step_s'] * 1e3:.1f} ms")
+    return out
+
+
+def target_csv_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [{**r, "value": f"{r['value']:.3f}" if r["value"] is not None else "", "met": "yes" if r["met"] else "no"}
+            for r in rows]
+
+
+# =========================================================================== Markdown
+def _cell(value: Any, fmt: str = "{:.3g}") -> str:
+    if value is None or value == "":
+        return ""
+    return fmt.format(value) if isinstance(value, (int, float)) else str(value)
+
+
+def summary_markdown(summary: list[dict[str, Any]]) -> str:
+    lines = ["# End-to-end benchmark (emulated cluster)", "",
+             "Median step time over the measured steps; compute = the `compute_only` run of the same phase "
+             "(communication removed); lockstep = `compute_sync` (no payload, one tiny allreduce per step); "
+             "compress and exposed comm from `strategy.last_metrics` (engine schemes) or step - compute (DDP "
+             "variants, hook compute included); other = step - compute - compress - exposed (negative: overlap). "
+             "Bytes: sent per rank per step (DDP: ring 2(P-1)/P x payload). x ddp / x hook: throughput over "
+             "Lightning `ddp` / over the faster of the fp16 and PowerSGD hooks in the same phase.", ""]
+    key = lambda r: (r["world"], rate_label(r["rate"]), r["workload"])  # noqa: E731
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in summary:
+        groups[key(r)].append(r)
+    for (world, rate, workload), items in groups.items():
+        lines += [f"## P = {world}, link {rate}, {workload}", "",
+                  "| scheme | step ms | samples/s | compute ms | compress ms | exposed comm ms | other ms | "
+                  "comm frac | KB/step | x ddp | x hook | of compute | val acc | val loss |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in items:
+            ms = lambda k: _cell(None if r.get(k) is None else r[k] * 1e3, "{:.1f}")  # noqa: E731
+            lines.append(
+                f"| {r['scheme']} | {ms('step_s')} | {_cell(r['samples_per_s'], '{:.1f}')} | {ms('compute_s')} | "
+                f"{ms('compress_s')} | {ms('exposed_comm_s')} | {ms('other_s')} | {_cell(r['comm_fraction'], '{:.2f}')} | "
+                f"{_cell(None if r['bytes_per_step'] is None else r['bytes_per_step'] / 1e3, '{:.1f}')} | "
+                f"{_cell(r['x_ddp'], '{:.2f}')} | {_cell(r['x_best_hook'], '{:.2f}')} | {_cell(r['of_compute'], '{:.2f}')} | "
+                f"{_cell(r['val_acc'], '{:.4f}')} | {_cell(r['val_loss'], '{:.3f}')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def targets_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| P | workload | check | link | value | target | met | note |", "|---|---|---|---|---:|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['world']} | {r['workload']} | {r['check']} | {r['rate']} | "
+                     f"{_cell(r['value'], '{:.3f}')} | {r['target']} | {'yes' if r['met'] else '**no**'} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def report_block(summary: list[dict[str, Any]], target_rows: list[dict[str, Any]]) -> str:
+    """The generated part of REPORT.md: targets, then the headline phase's breakdown per workload."""
+    lines = ["### Targets (largest P; the headline link is the fastest where DDP is >= 2/3 communication)", "",
+             targets_markdown(target_rows), ""]
+    worlds = sorted({r["world"] for r in summary})
+    for world in worlds[-1:]:
+        for workload in sorted({r["workload"] for r in summary if r["world"] == world}, key=_workload_order):
+            rate, _ = headline_rate(summary, world, workload)
+            if rate is None:
+                continue
+            lines += [f"### P = {world}, {workload}, link {rate_label(rate)}: step time split", "",
+                      "| scheme | step ms | samples/s | compute | compress | exposed comm | other | KB/step | x ddp | x hook | of compute |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for r in summary:
+                if (r["world"], r["rate"], r["workload"]) != (world, rate, workload):
+                    continue
+                ms = lambda k: _cell(None if r.get(k) is None else r[k] * 1e3, "{:.0f}")  # noqa: E731
+                lines.append(
+                    f"| {r['scheme']} | {ms('step_s')} | {_cell(r['samples_per_s'], '{:.0f}')} | {ms('compute_s')} | "
+                    f"{ms('compress_s')} | {ms('exposed_comm_s')} | {ms('other_s')} | "
+                    f"{_cell(None if r['bytes_per_step'] is None else r['bytes_per_step'] / 1e3, '{:.1f}')} | "
+                    f"{_cell(r['x_ddp'], '{:.2f}')} | {_cell(r['x_best_hook'], '{:.2f}')} | {_cell(r['of_compute'], '{:.2f}')} |")
+            lines.append("")
+    acc = [r for r in summary if r["val_acc"] is not None]
+    if acc:
+        lines += [f"### Accuracy after the same steps (P = {acc[0]['world']}, link {rate_label(acc[0]['rate'])})", "",
+                  "| workload | scheme | val acc | val loss | acc - ddp (points) |", "|---|---|---:|---:|---:|"]
+        for r in acc:
+            ddp = next((d for d in acc if d["workload"] == r["workload"] and d["scheme"] == "ddp"), None)
+            delta = 100 * (r["val_acc"] - ddp["val_acc"]) if ddp else None
+            lines.append(f"| {r['workload']} | {r['scheme']} | {r['val_acc']:.4f} | {r['val_loss']:.3f} | {_cell(delta, '{:+.1f}')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _workload_order(name: str) -> int:
+    return WORKLOADS.index(name) if name in WORKLOADS else len(WORKLOADS)
+
+
+def update_report(block: str, marker: str = "e2e", path: Path = REPORT) -> bool:
+    """Replace the text between ``<!-- {marker}:begin -->`` and ``<!-- {marker}:end -->`` in REPORT.md."""
+    if not path.exists():
+        return False
+    text = path.read_text()
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    if begin not in text or end not in text:
+        return False
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{block.rstrip()}\n{end}{tail}")
+    return True
+
+
+def report_section(marker: str = "e2e", path: Path = REPORT) -> str | None:
+    text = path.read_text() if path.exists() else ""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    if begin not in text or end not in text:
+        return None
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
+# =========================================================================== plots
+def plot(summary: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    worlds = sorted({r["world"] for r in summary})
+    workloads = sorted({r["workload"] for r in summary}, key=_workload_order)
+    shaped = sorted({r["rate_mbit"] for r in summary if r["rate_mbit"] != math.inf})
+    unshaped_x = (max(shaped) * 4) if shaped else 1000.0
+    xpos = lambda mbit: unshaped_x if mbit == math.inf else mbit  # noqa: E731
+    fig, axes = plt.subplots(len(worlds), len(workloads), figsize=(6.5 * len(workloads), 4.2 * len(worlds)), squeeze=False)
+    styles = {"compute_only": dict(color="black", linestyle="--", linewidth=2), "ddp": dict(color="tab:red", linewidth=2),
+              "ssfusion": dict(color="tab:blue", linewidth=2.5)}
+    for i, world in enumerate(worlds):
+        for j, workload in enumerate(workloads):
+            ax = axes[i][j]
+            for scheme in SCHEMES:
+                rows = sorted((r for r in summary if (r["world"], r["workload"], r["scheme"]) == (world, workload, scheme)),
+                              key=lambda r: xpos(r["rate_mbit"]))
+                if not rows or scheme == "compute_sync":
+                    continue
+                ax.plot([xpos(r["rate_mbit"]) for r in rows], [r["samples_per_s"] for r in rows], marker="o",
+                        markersize=4, label=scheme, **styles.get(scheme, {"linewidth": 1.2}))
+            ax.set_xscale("log")
+            ax.minorticks_off()
+            ticks = shaped + [unshaped_x]
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([f"{t:g}" for t in shaped] + ["unshaped"])
+            ax.set_xlabel("link rate per node (Mbit/s)")
+            ax.set_ylabel("samples/s (all ranks)")
+            ax.set_title(f"{workload}, P = {world}")
+            ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / f"{stem}_throughput.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    world = worlds[-1]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 4.5), squeeze=False)
+    parts = [("compute_s", "compute", "tab:gray"), ("compress_s", "compression", "tab:orange"),
+             ("exposed_comm_s", "exposed comm", "tab:red"), ("other_s", "other", "tab:purple")]
+    for j, workload in enumerate(workloads):
+        ax = axes[0][j]
+        rate, _ = headline_rate(summary, world, workload)
+        rows = [r for r in summary if (r["world"], r["rate"], r["workload"]) == (world, rate, workload)
+                and r["scheme"] not in ("compute_sync",)]
+        names = [r["scheme"] for r in rows]
+        bottom = [0.0] * len(rows)
+        for key, label, color in parts:
+            heights = [max(0.0, r.get(key) or 0.0) * 1e3 if not (r["scheme"] == "compute_only" and key != "compute_s")
+                       else 0.0 for r in rows]
+            ax.bar(names, heights, bottom=bottom, label=label, color=color)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.plot(names, [r["step_s"] * 1e3 for r in rows], "k_", markersize=18, label="measured step")
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"{workload}, P = {world}, link {rate_label(rate) if rate else '?'}")
+        ax.tick_params(axis="x", rotation=60)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    path = out / f"{stem}_breakdown.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+# =========================================================================== main
+def analyze(out: Path, stem: str, update: bool) -> tuple[list[dict], list[dict]]:
+    steps = read_csv(out / f"{stem}_steps.csv")
+    runs = read_csv(out / f"{stem}_runs.csv")
+    summary = summarize(steps, runs)
+    target_rows = targets(summary)
+    write_csv(out / f"{stem}.csv", SUMMARY_FIELDS, summary_csv_rows(summary))
+    (out / f"{stem}.md").write_text(summary_markdown(summary) + "\n## Targets\n\n" + targets_markdown(target_rows) + "\n")
+    write_csv(out / f"{stem}_targets.csv", TARGET_FIELDS, target_csv_rows(target_rows))
+    (out / f"{stem}_targets.md").write_text(targets_markdown(target_rows) + "\n")
+    plot(summary, out, stem)
+    if update and update_report(report_block(summary, target_rows)):
+        print(f"updated the e2e block of {REPORT}")
+    return summary, target_rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: P=2, small models, 2 rates, few steps")
+    parser.add_argument("--from-csv", action="store_true", help="only rebuild summary, tables, plots, REPORT block")
+    parser.add_argument("--worlds", type=int, nargs="+", default=None)
+    parser.add_argument("--rates", nargs="+", default=None, help="tc rates; 'none' = unshaped (put it first)")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    parser.add_argument("--steps", type=int, default=None, help="steps per throughput run")
+    parser.add_argument("--warmup", type=int, default=None, help="first steps of a run left out of the medians")
+    parser.add_argument("--acc-steps", type=int, default=None, help="steps of the accuracy runs (first phase, largest P)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per scheme and phase, interleaved")
+    parser.add_argument("--delay", default=None, help="one-way delay per node (e.g. 0.1ms); default none")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=2400, help="seconds per world size")
+    parser.add_argument("--out", type=Path, default=None, help="results directory")
+    parser.add_argument("--name", default=None, help="file stem (default e2e, quick: e2e_quick)")
+    parser.add_argument("--no-report", action="store_true", help="do not update experiments/REPORT.md")
+    args = parser.parse_args(argv)
+
+    stem = args.name or ("e2e_quick" if args.quick else "e2e")
+    out = args.out or (Path(tempfile.gettempdir()) / "ssf_e2e_quick" if args.quick else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    update = not args.no_report and not args.quick and out.resolve() == RESULTS.resolve()
+    if args.from_csv:
+        summary, target_rows = analyze(out, stem, update)
+        print(targets_markdown(target_rows))
+        return 0
+
+    args.worlds = args.worlds or ([2] if args.quick else [2, 4])
+    args.rates = args.rates or (["none", "50mbit"] if args.quick else DEFAULT_RATES)
+    args.steps = args.steps or (8 if args.quick else 14)
+    args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 6)
+    args.acc_steps = args.acc_steps if args.acc_steps is not None else (10 if args.quick else 48)
+    if args.steps <= args.warmup:
+        parser.error("--steps must exceed --warmup")
+
+    from experiments.cluster import probe_support
+
+    support = probe_support()
+    if not support.get("usable"):
+        print(f"the emulated cluster cannot run here: {support.get('reason', support)}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ssf_e2e_") as tmp:
+        for world in args.worlds:
+            runs += run_world(world, build_phases(world, args, max(args.worlds)), args, Path(tmp))
+    steps, rows = raw_rows(runs)
+    write_csv(out / f"{stem}_steps.csv", STEP_FIELDS, steps)
+    write_csv(out / f"{stem}_runs.csv", RUN_FIELDS, rows)
+    meta = {"argv": sys.argv[1:] if argv is None else argv, "cpus": os.cpu_count(), "wall_seconds": time.monotonic() - started,
+            "worlds": args.worlds, "rates": args.rates, "steps": args.steps, "warmup": args.warmup,
+            "acc_steps": args.acc_steps, "repeats": args.repeats, "delay": args.delay}
+    (out / f"{stem}_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    summary, target_rows = analyze(out, stem, update)
+    print(targets_markdown(target_rows))
+    print(f"wrote {out}/{stem}*.{{csv,md,png}} in {time.monotonic() - started:.0f} s")
+    failed = [r for r in rows if r["error"]]
+    return 1 if failed or not runs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Faults and bad input: errors on every rank instead of hangs, nothing absorbed, nothing lost."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import ssfusion_lightning as ssf
+from ssfusion_lightning.engine.errors import NonFiniteGradientError
+from tests.workloads import Regressor, make_trainer, regression_data
+
+SPARSE = dict(sparsifier="topk", density=0.05, fusion="ahead", comm="hybrid", offload="none")
+
+
+class NaNOnRankOne(Regressor):
+    """Rank 1's loss is NaN at step 2 only."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 2 and self.global_rank == 1:
+            loss = loss * float("nan")
+        return loss
+
+
+class EngineProbe(L.Callback):
+    def __init__(self) -> None:
+        self.skipped = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.skipped += int(trainer.strategy.last_metrics.skipped_steps)
+
+    def on_train_end(self, trainer, pl_module):
+        self.state = trainer.strategy.engine.state_dict()
+
+
+def nonfinite_run(policy: str):
+    L.seed_everything(0, verbose=False)
+    model = NaNOnRankOne()
+    probe = EngineProbe()
+    trainer = make_trainer(ssf.SSFusionStrategy(nonfinite=policy, **SPARSE), 6, callbacks=[probe])
+    try:
+        trainer.fit(model, DataLoader(regression_data(), batch_size=16))
+    except NonFiniteGradientError as error:
+        return "raised", str(error)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    residuals = probe.state["memory"]["residuals"]
+    finite = all(torch.isfinite(r).all() for r in residuals.values()) and bool(torch.isfinite(params).all())
+    return "finished", (params, finite, probe.skipped, probe.state["step"])
+
+
+def test_nan_on_one_rank_raises_on_every_rank(pool2):
+    for outcome, message in pool2.run(nonfinite_run, "raise"):
+        assert outcome == "raised"
+        assert "step 2 on rank(s) [1]" in message
+
+
+def test_nan_on_one_rank_is_skipped_by_every_rank(pool2):
+    results = pool2.run(nonfinite_run, "skip")
+    (o0, (p0, finite0, skipped0, step0)), (o1, (p1, finite1, skipped1, step1)) = results
+    assert o0 == o1 == "finished"
+    assert finite0 and finite1, "a NaN reached the parameters or a residual"
+    assert skipped0 == skipped1 == 1
+    assert step0 == step1 == 5, "the dropped round is not counted as a communication round"
+    assert torch.equal(p0, p1)
+
+
+def mismatched_density_run():
+    density = 0.05 if dist.get_rank() == 0 else 0.02
+    trainer = make_trainer(ssf.SSFusionStrategy(**dict(SPARSE, density=density)), 2)
+    try:
+        trainer.fit(Regressor(), DataLoader(regression_data(), batch_size=16))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_mismatched_configuration_is_an_error_at_setup(pool2):
+    for message in pool2.run(mismatched_density_run):
+        assert "ranks disagree on their configuration" in message and "density" in message
+
+
+class Wider(Regressor):
+    def __init__(self) -> None:
+        super().__init__(width=48)
+
+
+def foreign_checkpoint_run(directory: str, corrupt: bool):
+    path = os.path.join(directory, "regressor.ckpt")
+    L.seed_everything(0, verbose=False)
+    first = make_trainer(ssf.SSFusionStrategy(**SPARSE), 2)
+    first.fit(Regressor(), DataLoader(regression_data(), batch_size=16))
+    first.save_checkpoint(path)
+    if corrupt and dist.get_rank() == 0:
+        checkpoint = torch.load(path, weights_only=False)
+        checkpoint["ssfusion_engine"]["ranks"][1] = {"step": "garbage"}
+        torch.save(checkpoint, path)
+    dist.barrier()
+    model = Regressor() if corrupt else Wider()
+    second = make_trainer(ssf.SSFusionStrategy(**SPARSE), 4)
+    try:
+        second.fit(model, DataLoader(regression_data(), batch_size=16), ckpt_path=path)
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["other-model", "corrupted-state"])
+def test_foreign_or_corrupted_checkpoints_are_refused(pool2, tmp_path, corrupt):
+    messages = pool2.run(foreign_checkpoint_run, str(tmp_path), corrupt, timeout=120)
+    if corrupt:
+        assert all("corrupted engine state" in m for m in messages), messages
+    else:
+        # Lightning refuses the model weights first; either way it never trains on them
+        assert all(m != "no error" for m in messages)
+
+
+def test_a_rank_that_dies_fails_the_survivor_with_the_step_named(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")
+    started = time.monotonic()
+    job = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "rank_death_job.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )
+    elapsed = time.monotonic() - started
+    assert job.returncode != 0
+    assert "ssfusion: step 3" in job.stderr, job.stderr[-3000:]
+    assert elapsed < 200
