@@ -59,7 +59,8 @@ STEP_FIELDS = [
 ]
 RUN_FIELDS = [
     "world", "rate", "workload", "scheme", "rep", "steps", "warmup", "params", "param_tensors",
-    "per_rank_batch", "fit_seconds", "val_loss", "val_acc", "error",
+    "per_rank_batch", "fit_seconds", "val_loss", "val_acc", "plan_buffers", "plan_dense_elements",
+    "plan_sparse_elements", "plan_sparse_k", "error",
 ]
 SUMMARY_FIELDS = [
     "world", "rate", "rate_mbit", "workload", "scheme", "steps_measured", "step_ms", "step_p25_ms", "step_p75_ms",
@@ -180,6 +181,7 @@ def raw_rows(runs: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
             "param_tensors": run.get("param_tensors", ""), "per_rank_batch": run.get("per_rank_batch", ""),
             "fit_seconds": _fmt(run.get("fit_seconds")), "val_loss": _fmt(ev.get("val_loss")),
             "val_acc": _fmt(ev.get("val_acc")),
+            **{f: run.get(f, "") for f in ("plan_buffers", "plan_dense_elements", "plan_sparse_elements", "plan_sparse_k")},
             "error": run["error"].strip().splitlines()[-1] if run.get("error") else "",
         })
         engine = run.get("engine") or []
@@ -484,6 +486,39 @@ def report_block(summary: list[dict[str, Any]], target_rows: list[dict[str, Any]
     return "\n".join(lines)
 
 
+def headline_block(summary: list[dict[str, Any]], target_rows: list[dict[str, Any]]) -> str:
+    """The key ratios in a few bullets (REPORT.md's first numbers), one per world size and workload."""
+    find = {(t["world"], t["workload"], t["check"]): t for t in target_rows}
+    lines = []
+    for world in sorted({t["world"] for t in target_rows}, reverse=True):
+        for workload in sorted({t["workload"] for t in target_rows if t["world"] == world}, key=_workload_order):
+            get = lambda check: find.get((world, workload, check))  # noqa: E731
+            frac, x_ddp, x_hook, of_compute = (get(c) for c in ("ddp_comm_fraction", "ssfusion_x_ddp",
+                                                                  "ssfusion_x_best_hook", "ssfusion_of_compute"))
+            acc, dense = get("ssfusion_acc_minus_ddp_points"), get("dense_engine_step_over_ddp")
+            parts = []
+            if frac and x_ddp:
+                ssf = next(r for r in summary if (r["world"], rate_label(r["rate"]), r["workload"], r["scheme"])
+                           == (world, frac["rate"], workload, "ssfusion"))
+                lock = f", lockstep floor {ssf['compute_s'] / ssf['lockstep_s']:.0%} of compute-only" if ssf["lockstep_s"] else ""
+                parts.append(
+                    f"at {frac['rate']} (dense DDP {frac['value']:.0%} communication{'' if frac['met'] else ', below 2/3'}): "
+                    f"ssfusion **{x_ddp['value']:.2f}x** Lightning ddp (target 2.5x, {_met(x_ddp)}), "
+                    f"**{x_hook['value']:.2f}x** the better hook, {x_hook['note'].replace('best hook: ', '')} (target 1.3x, {_met(x_hook)}), "
+                    f"**{of_compute['value']:.0%}** of compute-only (target 80%, {_met(of_compute)}{lock})")
+            if acc:
+                parts.append(f"accuracy after the same steps {acc['value']:+.1f} points vs ddp (target >= -1, {_met(acc)}; {acc['note']})")
+            if dense:
+                parts.append(f"sparsifier none on the unshaped link: **{dense['value']:.2f}x** ddp's step (target <= 1.1x, {_met(dense)})")
+            if parts:
+                lines.append(f"- **P = {world}, {workload}**: " + "; ".join(parts) + ".")
+    return "\n".join(lines)
+
+
+def _met(target: dict[str, Any]) -> str:
+    return "met" if target["met"] else "**missed**"
+
+
 def _workload_order(name: str) -> int:
     return WORKLOADS.index(name) if name in WORKLOADS else len(WORKLOADS)
 
@@ -595,6 +630,8 @@ def analyze(out: Path, stem: str, update: bool) -> tuple[list[dict], list[dict]]
     plot(summary, out, stem)
     if update and update_report(report_block(summary, target_rows)):
         print(f"updated the e2e block of {REPORT}")
+    if update and update_report(headline_block(summary, target_rows), marker="e2e-headline"):
+        print(f"updated the e2e-headline block of {REPORT}")
     return summary, target_rows
 
 

@@ -214,6 +214,7 @@ COUNTER = _AllreduceCounter()
 # --------------------------------------------------------------------------- per-step timing
 class StepRecorder(Callback):
     def __init__(self) -> None:
+        self.plan: dict[str, int] = {}
         self.starts: list[float] = []
         self.end: float | None = None
         self.engine: list[dict[str, float]] = []
@@ -229,12 +230,30 @@ class StepRecorder(Callback):
         metrics = getattr(trainer.strategy, "last_metrics", None)
         if metrics is not None:
             self.engine.append(metrics.as_dict())
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            self.plan = plan_summary(engine)
+
 
     def step_seconds(self) -> list[float]:
         if not self.starts or self.end is None:
             return []
         marks = self.starts + [self.end]
         return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def plan_summary(engine: Any) -> dict[str, int]:
+    """Elements the engine's current plan sends dense, and the planned k of its sparse tensors."""
+    try:
+        buffers = engine.plan.buffers
+        return {
+            "plan_buffers": len(buffers),
+            "plan_dense_elements": sum(b.dense_numel for b in buffers),
+            "plan_sparse_elements": sum(b.sparse_numel for b in buffers),
+            "plan_sparse_k": sum(slot.k for b in buffers for slot in b.sparse_slots),
+        }
+    except AttributeError:  # a changed engine API: the plan is only informative
+        return {}
 
 
 # --------------------------------------------------------------------------- one run
@@ -305,6 +324,7 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
         "engine": recorder.engine if run["scheme"] in ENGINE_SCHEMES else [],
         "hook_payload": recorder.hook_payload if run["scheme"] in ("ddp_fp16", "ddp_powersgd") else [],
         "fit_seconds": fit_seconds,
+        **recorder.plan,
     }
     if run.get("eval") and dist.get_rank() == 0:
         result["eval"] = evaluate(spec, model, datamodule)

@@ -11,11 +11,13 @@ from ssfusion_lightning.data.cifar import CIFAR10, CIFAR100
 from ssfusion_lightning.data.factory import available_datasets, build_datamodule
 from ssfusion_lightning.data.image_folder import ImageFolder
 from ssfusion_lightning.data.mnist import MNIST
+from ssfusion_lightning.data.resumable import ResumableDataLoader
 from ssfusion_lightning.data.sequences import IGNORE_INDEX, MLMCollator, causal_collate
 from ssfusion_lightning.data.synthetic import SyntheticImages, SyntheticTokens
 from ssfusion_lightning.data.wikitext import WikiText2, WikiText103
 
 __all__ = [
+    "ResumableDataLoader",
     "CIFAR10",
     "CIFAR100",
     "IGNORE_INDEX",

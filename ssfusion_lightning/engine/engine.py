@@ -109,6 +109,8 @@ class FusionEngine:
         self.metrics = StepMetrics()
         self._hooks: list[Any] = []
         self._failed = False
+        self._accumulating = False
+        self._restored_accumulation: dict[str, Tensor] | None = None
         self._dense_storage: dict[tuple[int, int], Tensor] = {}
         # Like DDP: the first round runs in registration order, then the plan is rebuilt once
         # from the gradient-ready order rank 0 observed (DDP skips this with find_unused_parameters).
@@ -152,7 +154,15 @@ class FusionEngine:
         return self._profiler is not None and self._profile_start <= self.step < self._profile_end
 
     def begin_backward(self) -> None:
-        if self.profiling and self.sync_enabled:
+        if self._restored_accumulation is not None:
+            for name, param in zip(self.names, self.params):
+                grad = self._restored_accumulation.get(name)
+                param.grad = None if grad is None else grad.to(param.device)
+            self._restored_accumulation = None
+            self._accumulating = True
+        if not self.sync_enabled:
+            self._accumulating = True  # local gradients pile up until the synchronized backward
+        elif self.profiling:
             self._profiler.begin_backward()
 
     @property
@@ -267,6 +277,7 @@ class FusionEngine:
             self._next += 1
         # Every buffer must be on its channels before the control collectives are queued behind
         # them, or ranks could queue them in different orders: drain the offload worker first.
+        self._accumulating = False
         launched = [self._settle(item, "compress and launch") for item in self._pending]
         health = self.channels[0].submit(_allreduce_max, self._health_vector())
         usage = self._agree_on_usage() if self.config.find_unused_parameters else None
@@ -407,6 +418,10 @@ class FusionEngine:
             "sparsifier": self.sparsifier.state_dict(),
             "memory": self.memory.state_dict(),
             "communicator": self.communicator.state_dict(),
+            # saved in the middle of gradient accumulation: the local sum so far (Lightning saves no .grad)
+            "accumulated": {n: p.grad.detach().cpu().clone() for n, p in zip(self.names, self.params) if p.grad is not None}
+            if self._accumulating
+            else None,
         }
 
     def check_state(self, state: Any) -> None:
@@ -441,6 +456,8 @@ class FusionEngine:
             self.memory.reset()
             return
         device = self.channels.device
+        # Put back right before the next backward: Lightning clears .grad while it restarts.
+        self._restored_accumulation = state.get("accumulated") or None
         self.sparsifier.load_state_dict(_to_device(state["sparsifier"], device))
         self.memory.load_state_dict(_to_device(state["memory"], device))
         self.communicator.load_state_dict(_to_device(state["communicator"], device))

@@ -66,4 +66,4 @@ class ADTopkSparsifier(Sparsifier):
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
         flat = tensor.reshape(-1)
         indices = self.select_rows(tensor, self.resolve_k(flat.numel(), k))
-        return flat[indices], indices
+        return flat.index_select(0, indices), indices

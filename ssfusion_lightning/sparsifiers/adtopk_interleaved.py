@@ -41,4 +41,4 @@ class InterleavedADTopkSparsifier(ADTopkSparsifier):
         else:
             count = self.output_count(tensor.shape, k)
             indices = topk_indices(flat, count) if count < flat.numel() else torch.arange(flat.numel(), device=flat.device)
-        return flat[indices], indices
+        return flat.index_select(0, indices), indices

@@ -115,7 +115,7 @@ class ThresholdSparsifier(Sparsifier):
             indices = trim_to_k(flat, indices, k)
         if indices.numel() == 0 and flat.numel() > 0:
             indices = flat.abs().argmax().view(1)
-        return flat[indices], indices
+        return flat.index_select(0, indices), indices
 
 
 SPARSIFIERS: Registry[Sparsifier] = Registry("sparsifier")

@@ -61,7 +61,7 @@ class DGCSparsifier(ThresholdSparsifier):
         k = self.resolve_k(flat.numel(), k)
         if k >= flat.numel():
             indices = torch.arange(flat.numel(), device=flat.device)
-            return flat[indices], indices
+            return flat.index_select(0, indices), indices
         candidates = Candidates(flat)
         threshold = self.sample_threshold(flat, k, key)
         threshold, _ = search_threshold(candidates, threshold, 0.8 * k, 1.25 * k, self.max_adjust)

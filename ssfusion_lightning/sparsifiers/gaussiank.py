@@ -47,7 +47,7 @@ class GaussianKSparsifier(ThresholdSparsifier):
         k = self.resolve_k(n, k)
         if k >= n:
             indices = torch.arange(n, device=flat.device)
-            return flat[indices], indices
+            return flat.index_select(0, indices), indices
         mean, std = mean_std(flat)
         threshold = abs(mean) + two_sided_z(k / n) * std
         candidates = Candidates(flat)

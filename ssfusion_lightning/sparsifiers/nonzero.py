@@ -31,4 +31,4 @@ class NonzeroSparsifier(Sparsifier):
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
         flat = tensor.reshape(-1)
         indices = indices_at_least(flat, 0.0)  # |x| > 0, chunked on CPU
-        return flat[indices], indices
+        return flat.index_select(0, indices), indices

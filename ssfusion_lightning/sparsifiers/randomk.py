@@ -63,4 +63,4 @@ class RandomKSparsifier(Sparsifier):
         flat = tensor.reshape(-1)
         k = self.resolve_k(flat.numel(), k)
         indices = self.positions(flat.numel(), k, key).to(flat.device)
-        return flat[indices], indices
+        return flat.index_select(0, indices), indices

@@ -74,7 +74,7 @@ class RedSyncSparsifier(ThresholdSparsifier):
         k = self.resolve_k(n, k)
         if k >= n:
             indices = torch.arange(n, device=flat.device)
-            return flat[indices], indices
+            return flat.index_select(0, indices), indices
         mean, top = abs_mean_max(flat)
         candidates = Candidates(flat)
         if n > 4 * SAMPLE:

@@ -21,13 +21,14 @@ inside it. Threshold searches (gaussiank, redsync, sidco, dgc) are built on it.
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 
 import torch
 from torch import Tensor
 
-#: elements per chunk of the CPU selection pass (fp32 scratch: 6 bytes per element, 12 MiB; small
-#: enough for glibc malloc to reuse it from call to call instead of page-faulting fresh memory)
+#: elements per chunk of the CPU selection pass (per-thread scratch: 1.5x this many elements of
+#: each dtype used, 12 MiB for fp32)
 CHUNK = 1 << 21
 #: below this size the CPU selection is one plain compare + nonzero
 FOLD_MIN = 1 << 15
@@ -50,19 +51,35 @@ def empty_indices(device: torch.device) -> Tensor:
 
 
 # --------------------------------------------------------------------------- |x| >= t -> indices
+_SCRATCH = threading.local()
+
+
+def _scratch(dtype: torch.dtype, numel: int) -> tuple[Tensor, Tensor]:
+    """Per-thread CPU scratch (magnitudes, fold) reused across calls: a fresh multi-MiB buffer
+    would be page-faulted in on every call, which costs as much as the pass itself."""
+    cache = getattr(_SCRATCH, "buffers", None)
+    if cache is None:
+        cache = _SCRATCH.buffers = {}
+    buffers = cache.get(dtype)
+    if buffers is None or buffers[0].numel() < numel:
+        buffers = (torch.empty(numel, dtype=dtype), torch.empty(numel // 2 + 1, dtype=dtype))
+        cache[dtype] = buffers
+    return buffers
+
+
 def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
     """Sorted int64 positions of ``flat`` (1-D) with ``|x| >= threshold``; ``|x| > 0`` when threshold <= 0.
 
     NaN never qualifies. The threshold is compared in the tensor's dtype (as torch does for a
     Python scalar), consistently across calls, so nested thresholds give nested sets.
 
-    CPU: chunks of ``CHUNK`` elements (scratch small enough for malloc to reuse: no page faults).
+    CPU: chunks of ``CHUNK`` elements in per-thread scratch buffers reused across calls.
     Per chunk, |x| is folded in halves ``levels`` times with ``maximum`` (contiguous, vectorized),
     so slot j of the fold holds the largest magnitude of the group {j, j + s, ..., j + (G-1) s}
     (G = 2^levels, s = chunk / G). Only groups whose maximum reaches the threshold are inspected,
     member by member, which replaces a compare and a ``nonzero`` over every element by the same
     over 1/G of them plus a gather of the hit groups. ``levels`` adapts to the hit rate of the
-    previous chunk. A NaN makes its group a hit (``maximum`` propagates it) but is never selected.
+    previous chunk, down to 0 (a plain compare) for dense selections. A NaN makes its group a hit (``maximum`` propagates it) but is never selected.
     """
     n = flat.numel()
     if math.isnan(threshold):
@@ -76,8 +93,7 @@ def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
         mask = mag > cut if strict else mag >= cut
         return mask.nonzero().view(-1)
     chunk = min(CHUNK, n)
-    mag = torch.empty(chunk + (1 << MAX_LEVELS), dtype=flat.dtype)
-    fold = torch.empty(mag.numel() // 2, dtype=flat.dtype)
+    mag, fold = _scratch(flat.dtype, chunk + (1 << MAX_LEVELS))
     not_hit = torch.le if strict else torch.lt
     member = torch.gt if strict else torch.ge
     levels = 3
@@ -85,9 +101,12 @@ def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         length = stop - start
+        torch.abs(flat[start:stop], out=mag[:length])
+        if levels == 0:  # dense selections: a plain compare is cheaper than the fold
+            pieces.append(member(mag[:length], cut).nonzero().view(-1).add_(start))
+            continue
         groups_of = 1 << levels
         padded = -(-length // groups_of) * groups_of
-        torch.abs(flat[start:stop], out=mag[:length])
         if padded > length:
             mag[length:padded].zero_()  # zeros never qualify
         width, source = padded, mag
@@ -100,14 +119,14 @@ def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
         rate = hit.numel() / stride
         if rate < 0.04 and levels < MAX_LEVELS:
             levels += 1
-        elif rate > 0.3 and levels > 1:
+        elif rate > 0.3:
             levels -= 1
         if hit.numel() == 0:
             continue
         members = mag[:padded].view(groups_of, stride).index_select(1, hit)
         which = member(members, cut).nonzero()
         # (member, group) order: member c covers positions [c * stride, (c + 1) * stride), so sorted
-        pieces.append(hit[which[:, 1]].add_(which[:, 0] * stride).add_(start))
+        pieces.append(hit.index_select(0, which[:, 1]).add_(which[:, 0] * stride).add_(start))
     if not pieces:
         return empty_indices(flat.device)
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
@@ -140,7 +159,7 @@ def sample_positions(n: int, size: int, device: torch.device, offset: int = 0) -
 def sample_magnitudes(flat: Tensor, size: int, offset: int = 0) -> Tensor:
     """|x| at ``size`` sampled positions, in float32 (float64 input stays float64)."""
     n = flat.numel()
-    sample = flat if size >= n else flat[sample_positions(n, size, flat.device, offset)]
+    sample = flat if size >= n else flat.index_select(0, sample_positions(n, size, flat.device, offset))
     dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
     return sample.abs().to(dtype)
 
@@ -187,7 +206,7 @@ def trim_to_k(flat: Tensor, candidates: Tensor, k: int) -> Tensor:
     """The k candidates of largest magnitude (all of them when there are at most k)."""
     if candidates.numel() <= k:
         return candidates
-    magnitudes = flat[candidates].abs()
+    magnitudes = flat.index_select(0, candidates).abs()
     if candidates.numel() >= PREFILTER_MIN_NUMEL and 8 * k <= candidates.numel():
         return candidates[topk_indices(magnitudes, k)]
     return candidates[topk_positions(magnitudes, k)]
@@ -221,7 +240,7 @@ class Candidates:
         if math.isnan(threshold) or self._covers(threshold):
             return
         self.indices = indices_at_least(self.flat, threshold)
-        self.magnitudes = self.flat[self.indices].abs()
+        self.magnitudes = self.flat.index_select(0, self.indices).abs()
         self.threshold = threshold
         self.full_passes += 1
 

@@ -137,7 +137,7 @@ class SIDCoSparsifier(ThresholdSparsifier):
         k = self.resolve_k(n, k)
         if k >= n:
             indices = torch.arange(n, device=flat.device)
-            return flat[indices], indices
+            return flat.index_select(0, indices), indices
         candidates = Candidates(flat)
         threshold = self.fit_threshold(flat, candidates, k / n)
         threshold, _ = search_threshold(candidates, threshold, 2 * k / 3, 4 * k / 3, self.max_adjust)

@@ -47,7 +47,7 @@ class ThresholdReuseSparsifier(ThresholdSparsifier):
         self.thresholds: dict[str, tuple[float, int, int]] = {}
 
     def _exact(self, flat: Tensor, key: str, k: int, indices: Tensor) -> tuple[Tensor, Tensor]:
-        values = flat[indices]
+        values = flat.index_select(0, indices)
         threshold = float(values.abs().min()) if values.numel() else 0.0
         self.thresholds[key] = (threshold, k, self.step)
         return values, indices
@@ -58,7 +58,7 @@ class ThresholdReuseSparsifier(ThresholdSparsifier):
         k = self.resolve_k(n, k)
         if k >= n:
             indices = torch.arange(n, device=flat.device)
-            return flat[indices], indices
+            return flat.index_select(0, indices), indices
         stored = self.thresholds.get(key)
         if stored is None or stored[1] != k or self.step - stored[2] >= self.tau or self.step < stored[2]:
             return self._exact(flat, key, k, topk_indices(flat, k))

@@ -28,4 +28,4 @@ class TopKSparsifier(Sparsifier):
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
         flat = tensor.reshape(-1)
         indices = topk_indices(flat, self.resolve_k(flat.numel(), k))
-        return flat[indices], indices
+        return flat.index_select(0, indices), indices

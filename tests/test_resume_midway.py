@@ -1,0 +1,73 @@
+"""Resume in the middle of an epoch and of a gradient accumulation: the bitwise trajectory."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+
+import ssfusion_lightning as ssf
+from ssfusion_lightning.data import ResumableDataLoader
+from tests.workloads import Regressor, make_trainer, regression_data
+
+
+class SaveAtBatch(L.Callback):
+    """Writes a checkpoint after a given training batch (also between accumulation steps)."""
+
+    def __init__(self, path: str, batch: int) -> None:
+        self.path, self.batch, self.count = path, batch, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.count += 1
+        if self.count == self.batch:
+            trainer.save_checkpoint(self.path)
+
+
+class EndState(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        self.state = trainer.strategy.engine.state_dict()
+
+
+def midway_run(directory: str, kwargs: dict, save_after: int, steps: int, accumulate: int):
+    path = os.path.join(directory, "midway.ckpt")
+
+    def train(callbacks, ckpt_path=None):
+        L.seed_everything(11, verbose=False)
+        model = Regressor()
+        end = EndState()
+        loader = ResumableDataLoader(regression_data(), batch_size=16, shuffle=True)
+        trainer = make_trainer(
+            ssf.SSFusionStrategy(**kwargs), steps, max_epochs=-1, callbacks=[end, *callbacks], accumulate_grad_batches=accumulate
+        )
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), end.state
+
+    straight = train([SaveAtBatch(path, save_after)])
+    dist.barrier()
+    resumed = train([], ckpt_path=path)
+    return straight, resumed
+
+
+CASES = {
+    # 8 batches per rank per epoch: batch 5 is mid-epoch; batch 7 with accumulation 2 is mid-accumulation
+    "mid-epoch-topk-ahead-hybrid": (dict(sparsifier="topk", fusion="ahead", comm="hybrid"), 5, 12, 1),
+    "mid-epoch-dgc-memory-selective-zen": (dict(sparsifier="dgc", memory="dgc", fusion="selective", comm="zen"), 5, 12, 1),
+    "mid-accumulation-randomk-behind-allreduce": (dict(sparsifier="randomk", fusion="behind", comm="allreduce"), 7, 8, 2),
+    "mid-accumulation-threshold-reuse-aligned-oktopk": (dict(sparsifier="threshold_reuse", fusion="aligned", comm="oktopk"), 7, 8, 2),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_resume_midway_is_bitwise(pool2, tmp_path, case):
+    kwargs, save_after, steps, accumulate = case
+    kwargs = dict(kwargs, density=0.05, offload="none")
+    for (p1, s1), (p2, s2) in pool2.run(midway_run, str(tmp_path), kwargs, save_after, steps, accumulate):
+        assert torch.equal(p1, p2)
+        assert s1["step"] == s2["step"]
+        assert torch.equal(torch.tensor(0.0), torch.tensor(0.0))
+        for key, value in s1["memory"].items():
+            for name, tensor in value.items():
+                assert torch.equal(tensor, s2["memory"][key][name]), (key, name)
