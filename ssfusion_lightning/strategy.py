@@ -66,6 +66,8 @@ class SSFusionStrategy(DDPStrategy):
             before each synchronized forward.
         nonfinite: a NaN/Inf gradient on any rank makes every rank "raise" (default) or "skip" the
             step; error feedback and sparsifier thresholds never absorb it.
+        comm_options, fusion_options, memory_options: constructor options of the named communicator,
+            fusion policy and memory (e.g. ``comm_options={"choice": "sparcml"}`` for ``comm="zen"``).
         timeout: as DDP's; also bounds every collective of the strategy's own process groups, so a
             dead rank or a cut link fails the step with an error instead of hanging.
     """
@@ -94,6 +96,9 @@ class SSFusionStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         nonfinite: str = "raise",
+        comm_options: Optional[dict[str, Any]] = None,
+        fusion_options: Optional[dict[str, Any]] = None,
+        memory_options: Optional[dict[str, Any]] = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -132,6 +137,13 @@ class SSFusionStrategy(DDPStrategy):
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.nonfinite = _choice("nonfinite policy", nonfinite, NONFINITE_POLICIES)
+        self.comm_options = dict(comm_options or {})
+        self.fusion_options = dict(fusion_options or {})
+        self.memory_options = dict(memory_options or {})
+        # Build each component once now, so a misspelled option fails here and not at setup.
+        COMMUNICATORS.build(self.comm_name, **self.comm_options)
+        FUSION_POLICIES.build(self.fusion_name, **self.fusion_options)
+        MEMORIES.build(self.memory_name, **self.memory_options)
         self.engine: FusionEngine | None = None
         self.last_metrics: StepMetrics = StepMetrics()
         self._groups: list[dist.ProcessGroup] = []
@@ -173,6 +185,7 @@ class SSFusionStrategy(DDPStrategy):
             "warmup_steps": self.warmup_steps,
             "find_unused_parameters": self.find_unused_parameters,
             "nonfinite": self.nonfinite,
+            "options": (self.comm_options, self.fusion_options, self.memory_options),
             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters() if p.requires_grad],
         }
 
@@ -204,9 +217,9 @@ class SSFusionStrategy(DDPStrategy):
         return FusionEngine(
             named,
             sparsifier,
-            MEMORIES.build(self.memory_name),
-            FUSION_POLICIES.build(self.fusion_name),
-            COMMUNICATORS.build(self.comm_name),
+            MEMORIES.build(self.memory_name, **self.memory_options),
+            FUSION_POLICIES.build(self.fusion_name, **self.fusion_options),
+            COMMUNICATORS.build(self.comm_name, **self.comm_options),
             channels,
             EngineConfig(
                 buffer_bytes=self.buffer_mb * 1024 * 1024,

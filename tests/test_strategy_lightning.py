@@ -65,6 +65,13 @@ def test_bad_arguments_name_the_value_and_the_choices(kwargs, message):
     assert message in str(error.value)
 
 
+def test_component_options_reach_the_components_and_are_checked_early():
+    strategy = ssf.SSFusionStrategy(**dict(SPARSE, comm="zen"), comm_options={"choice": "sparcml"})
+    assert strategy.comm_options == {"choice": "sparcml"}
+    with pytest.raises(TypeError, match="colour"):
+        ssf.SSFusionStrategy(**SPARSE, comm_options={"colour": "blue"})
+
+
 def test_unknown_keyword_is_an_error():
     with pytest.raises(TypeError, match="bucket_view"):
         ssf.SSFusionStrategy(gradient_as_bucket_view=True)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, Sparsifier
-from ssfusion_lightning.sparsifiers.selection import indices_at_least
+from ssfusion_lightning.sparsifiers.selection import all_finite, indices_at_least, sample_positions
 
 
 @SPARSIFIERS.register("nonzero")
@@ -30,5 +30,14 @@ class NonzeroSparsifier(Sparsifier):
 
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
         flat = tensor.reshape(-1)
+        n = flat.numel()
+        probe = flat.index_select(0, sample_positions(n, 1024, flat.device)) if n > 4096 else flat
+        if bool((probe != 0).float().mean() > 0.25):  # mostly nonzero: one plain pass, one output
+            indices = flat.nonzero().view(-1)
+            values = flat.index_select(0, indices)
+            if not all_finite(values):
+                keep = ~torch.isnan(values)
+                indices, values = indices[keep], values[keep]
+            return values, indices
         indices = indices_at_least(flat, 0.0)  # |x| > 0, chunked on CPU
         return flat.index_select(0, indices), indices

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier
-from ssfusion_lightning.sparsifiers.selection import Candidates, accumulation_dtype, as_float, search_threshold
+from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, stable_hash
+from ssfusion_lightning.sparsifiers.selection import Candidates, as_float, sample_magnitudes, search_threshold
 
 DISTRIBUTIONS = ("exponential", "gpareto", "gamma")
 #: with ``stages=None`` each stage keeps about this fraction of what it is given
@@ -68,11 +68,15 @@ class SIDCoSparsifier(ThresholdSparsifier):
 
     Multi-stage fitting (SIDCo's answer to small densities, where one fit of the bulk misjudges
     the far tail): the target density rho = k/n is split into ``stages`` equal factors
-    delta = rho^(1/stages); stage 1 fits |g| (moments of the whole tensor, no temporaries) and
-    takes its (1 - delta) quantile t1; stage j fits the exceedances |g| - t_{j-1} of the elements
-    above t_{j-1} and adds their (1 - delta) quantile. Only stage 1's threshold needs a pass over
-    the tensor; later stages work on the selected elements. ``stages=None`` picks
-    ceil(log(rho) / log(0.1)), i.e. every stage keeps about a tenth of its input.
+    delta = rho^(1/stages); stage 1 fits |g| and takes its (1 - delta) quantile t1; stage j fits
+    the exceedances |g| - t_{j-1} of the elements above t_{j-1} and adds their (1 - delta)
+    quantile. ``stages=None`` picks ceil(log(rho) / log(0.1)), i.e. every stage keeps about a
+    tenth of its input.
+
+    The fits use at most ``fit_sample`` magnitudes (well-spread positions that change with the
+    step; None or 0: the whole tensor): a moment fit of 2^16 values is as good as one of
+    millions, and it spares the full-size passes of the early stages, so the tensor itself is
+    only read to select.
 
     Distributions (``distribution``): ``exponential`` (MLE), ``gpareto`` (generalized Pareto,
     method of moments) and ``gamma`` (method of moments, numerical quantile).
@@ -92,6 +96,7 @@ class SIDCoSparsifier(ThresholdSparsifier):
         distribution: str = "exponential",
         stages: int | None = None,
         max_adjust: int = 8,
+        fit_sample: int | None = 1 << 16,
         **options: Any,
     ) -> None:
         super().__init__(density=density, **options)
@@ -104,31 +109,35 @@ class SIDCoSparsifier(ThresholdSparsifier):
         self.distribution = distribution
         self.stages = stages
         self.max_adjust = max_adjust
+        if fit_sample is not None and (isinstance(fit_sample, bool) or not isinstance(fit_sample, int) or fit_sample < 0):
+            raise ValueError(f"fit_sample must be None or an integer >= 0, got {fit_sample!r}")
+        self.fit_sample = fit_sample
 
     def stage_count(self, density: float) -> int:
         if self.stages is not None:
             return self.stages
         return max(1, math.ceil(math.log(density) / math.log(STAGE_RATIO) - 1e-9))
 
-    def fit_threshold(self, flat: Tensor, candidates: Candidates, density: float) -> float:
+    def fit_threshold(self, flat: Tensor, density: float, key: str = "") -> float:
+        """The multi-stage fitted threshold, from the whole tensor or from a sample of it."""
         quantile = QUANTILES[self.distribution]
         stages = self.stage_count(density)
         tail = density ** (1.0 / stages)
         n = flat.numel()
-        acc = accumulation_dtype(flat.dtype)
-        mean = as_float(torch.linalg.vector_norm(flat, 1, dtype=acc)) / n
-        second = as_float(torch.linalg.vector_norm(flat, 2, dtype=acc)) ** 2 / n
-        threshold = quantile(mean, max(second - mean * mean, 0.0), tail)
-        for _ in range(stages - 1):
-            if not (threshold > 0 and math.isfinite(threshold)):
-                break
-            candidates.prepare(threshold)
-            above = candidates.magnitudes[candidates.magnitudes >= threshold].to(acc) - threshold
+        size = n if not self.fit_sample else min(n, self.fit_sample)
+        magnitudes = sample_magnitudes(flat, size, offset=stable_hash(f"sidco:{self.step}:{key}"))
+        threshold = 0.0
+        above = magnitudes
+        for _ in range(stages):
             if above.numel() < 2:
                 break
             mean = as_float(above.mean())
             var = as_float(above.var(correction=0))
-            threshold = threshold + quantile(mean, var, tail)
+            step = quantile(mean, var, tail)
+            if not (step > 0 and math.isfinite(step)):
+                break
+            threshold += step
+            above = magnitudes[magnitudes >= threshold] - threshold
         return threshold
 
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
@@ -139,6 +148,6 @@ class SIDCoSparsifier(ThresholdSparsifier):
             indices = torch.arange(n, device=flat.device)
             return flat.index_select(0, indices), indices
         candidates = Candidates(flat)
-        threshold = self.fit_threshold(flat, candidates, k / n)
+        threshold = self.fit_threshold(flat, k / n, key)
         threshold, _ = search_threshold(candidates, threshold, 2 * k / 3, 4 * k / 3, self.max_adjust)
         return self.finish(flat, candidates.select(threshold), k, 4 * k / 3)
