@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, Sparsifier
+from ssfusion_lightning.sparsifiers.selection import CHUNK, scratch
 
 
 def row_budget(shape: tuple[int, ...] | torch.Size, k: int) -> tuple[int, int, int] | None:
@@ -23,6 +24,49 @@ def row_budget(shape: tuple[int, ...] | torch.Size, k: int) -> tuple[int, int, i
     if per_row >= cols:
         return None
     return rows, cols, per_row
+
+
+def row_topk(matrix: Tensor, per_row: int) -> Tensor:
+    """Column indices (rows, per_row) of the largest magnitudes of every row; exact up to ties.
+
+    Each row is folded in halves (``maximum``) up to three times, so a fold slot holds the largest
+    magnitude of G = 2^levels strided columns. The top ``per_row`` elements of a row all lie in
+    the ``per_row`` groups with the largest maxima (a group ranked lower has ``per_row`` group
+    maxima, i.e. distinct elements, above it), so top-k runs on the fold (G times smaller) and
+    then on the G * per_row members of the chosen groups. On CPU, blocks of rows go through a
+    reused scratch buffer instead of one full-size ``abs()``.
+    """
+    rows, cols = matrix.shape
+    levels = 0
+    while levels < 3 and cols % (2 << levels) == 0 and 4 * per_row * (2 << levels) <= cols:
+        levels += 1
+    if matrix.device.type == "cpu":
+        block = max(1, CHUNK // cols)
+        mag_buffer, _ = scratch(matrix.dtype, block * cols)
+        out = torch.empty(rows, per_row, dtype=torch.int64)
+        for start in range(0, rows, block):
+            stop = min(start + block, rows)
+            mag = mag_buffer[: (stop - start) * cols].view(stop - start, cols)
+            torch.abs(matrix[start:stop], out=mag)
+            out[start:stop] = _row_topk_of(mag, per_row, levels)
+        return out
+    return _row_topk_of(matrix.abs(), per_row, levels)
+
+
+def _row_topk_of(mag: Tensor, per_row: int, levels: int) -> Tensor:
+    if levels == 0:
+        return torch.topk(mag, per_row, dim=1, sorted=False).indices
+    rows, cols = mag.shape
+    groups = 1 << levels
+    fold, width = mag, cols
+    for _ in range(levels):
+        width //= 2
+        fold = torch.maximum(fold[:, :width], fold[:, width : 2 * width])
+    best = torch.topk(fold, per_row, dim=1, sorted=False).indices  # group ids in [0, cols / G)
+    offsets = torch.arange(0, cols, cols // groups, dtype=torch.int64, device=mag.device)
+    members = (best.unsqueeze(2) + offsets.view(1, 1, groups)).view(rows, per_row * groups)
+    chosen = torch.topk(torch.gather(mag, 1, members), per_row, dim=1, sorted=False).indices
+    return torch.gather(members, 1, chosen)
 
 
 @SPARSIFIERS.register("adtopk")
@@ -59,7 +103,7 @@ class ADTopkSparsifier(Sparsifier):
         rows, cols, per_row = budget
         if per_row == 0:
             return torch.empty(0, dtype=torch.int64, device=flat.device)
-        columns = torch.topk(flat.view(rows, cols).abs(), per_row, dim=1, sorted=False).indices
+        columns = row_topk(flat.view(rows, cols), per_row)
         starts = torch.arange(0, rows * cols, cols, dtype=torch.int64, device=flat.device)
         return (columns + starts.unsqueeze(1)).view(-1)
 

@@ -1,11 +1,12 @@
 """Fast magnitude-selection primitives shared by the sparsifiers (no sparsifier is registered here).
 
 The expensive part of every magnitude sparsifier is turning ``|x| >= t`` into indices. On CPU a
-naive ``(x.abs() >= t).nonzero()`` costs three full-size passes plus a page-faulting 4-byte-per-
-element allocation, and ``nonzero`` over a multi-million-element mask is slow. ``indices_at_least``
-walks the tensor in cache-sized chunks with reused scratch buffers and decodes the mask eight
-bytes at a time (a mask word that is zero holds no selected element), which makes the whole
-selection cheaper than one fresh ``abs()`` of the tensor. On CUDA it is one fused expression.
+naive ``(x.abs() >= t).nonzero()`` costs three full-size passes plus a page-faulting fresh
+allocation as large as the tensor, and both the float compare and ``nonzero`` are slow per
+element. ``indices_at_least`` walks the tensor in chunks through reused per-thread scratch,
+folds each chunk's magnitudes into group maxima with vectorized ``maximum`` and only inspects the
+members of groups whose maximum reaches the threshold; the whole selection costs about one
+fresh ``abs()`` of the tensor. On CUDA it is one fused expression.
 
 ``topk_indices`` is exact top-k with a threshold pre-filter: a sample gives a magnitude that is,
 with high probability, a lower bound of the k-th largest one; one selection pass keeps the
@@ -54,7 +55,7 @@ def empty_indices(device: torch.device) -> Tensor:
 _SCRATCH = threading.local()
 
 
-def _scratch(dtype: torch.dtype, numel: int) -> tuple[Tensor, Tensor]:
+def scratch(dtype: torch.dtype, numel: int) -> tuple[Tensor, Tensor]:
     """Per-thread CPU scratch (magnitudes, fold) reused across calls: a fresh multi-MiB buffer
     would be page-faulted in on every call, which costs as much as the pass itself."""
     cache = getattr(_SCRATCH, "buffers", None)
@@ -93,7 +94,7 @@ def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
         mask = mag > cut if strict else mag >= cut
         return mask.nonzero().view(-1)
     chunk = min(CHUNK, n)
-    mag, fold = _scratch(flat.dtype, chunk + (1 << MAX_LEVELS))
+    mag, fold = scratch(flat.dtype, chunk + (1 << MAX_LEVELS))
     not_hit = torch.le if strict else torch.lt
     member = torch.gt if strict else torch.ge
     levels = 3
