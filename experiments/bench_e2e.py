@@ -84,20 +84,35 @@ def rate_label(rate: str) -> str:
     return "unshaped" if rate_mbit(rate) == math.inf else rate
 
 
+#: warm-up steps of the DDP variants (DDP rebuilds its buckets after step 0; PowerSGD starts at step 2)
+DDP_WARMUP = 3
+#: schemes of the target checks: run --key-repeats times (interleaved) on the slowest link
+KEY_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd", "ssfusion")
+
+
 def build_phases(world: int, args: argparse.Namespace, accuracy_world: int) -> list[dict[str, Any]]:
+    rates = args.rates if world == accuracy_world else (args.small_rates or args.rates)
+    slowest = min(rates, key=rate_mbit)
     phases = []
-    for index, rate in enumerate(args.rates):
+    for index, rate in enumerate(rates):
         accuracy = index == 0 and world == accuracy_world and args.acc_steps > 0
         runs = []
         for workload in args.workloads:
-            for rep in range(args.repeats):
+            repeats = max(args.repeats, args.key_repeats if rate == slowest else 1)
+            for rep in range(repeats):
                 for scheme in args.schemes:
+                    if rep >= args.repeats and scheme not in KEY_SCHEMES:
+                        continue
                     if scheme == "ssfusion_dense" and rate_mbit(rate) != math.inf:
                         continue  # the engine-overhead check runs on the unshaped link only
                     long = accuracy and scheme in ACCURACY_SCHEMES and rep == 0
+                    # DDP needs fewer warm-up steps than the engine (bucket rebuild after step 0,
+                    # PowerSGD from step 2): the same number of measured steps, fewer slow steps
+                    warmup = min(args.warmup, DDP_WARMUP) if scheme in DDP_SCHEMES else args.warmup
+                    steps = args.acc_steps if long else args.steps - (args.warmup - warmup)
                     runs.append({
                         "workload": workload, "scheme": scheme, "rep": rep, "seed": args.seed,
-                        "steps": args.acc_steps if long else args.steps, "warmup": args.warmup, "eval": long,
+                        "steps": steps, "warmup": warmup, "eval": long,
                     })
         phases.append({"label": rate, "runs": runs})
     return phases
@@ -647,6 +662,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="first steps of a run left out of the medians")
     parser.add_argument("--acc-steps", type=int, default=None, help="steps of the accuracy runs (first phase, largest P)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per scheme and phase, interleaved")
+    parser.add_argument("--key-repeats", type=int, default=None,
+                        help="runs of the target schemes on the slowest link, interleaved (default 2; quick 1)")
+    parser.add_argument("--small-rates", nargs="+", default=None,
+                        help="rates for world sizes below the largest (default: the largest world's minus 400mbit)")
     parser.add_argument("--delay", default=None, help="one-way delay per node (e.g. 0.1ms); default none")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=2400, help="seconds per world size")
@@ -666,9 +685,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args.worlds = args.worlds or ([2] if args.quick else [2, 4])
     args.rates = args.rates or (["none", "50mbit"] if args.quick else DEFAULT_RATES)
+    if args.small_rates is None and not args.quick and args.rates == DEFAULT_RATES:
+        args.small_rates = [r for r in DEFAULT_RATES if r != "400mbit"]
+    args.key_repeats = args.key_repeats if args.key_repeats is not None else (1 if args.quick else 2)
     args.steps = args.steps or (8 if args.quick else 14)
     args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 6)
-    args.acc_steps = args.acc_steps if args.acc_steps is not None else (10 if args.quick else 48)
+    args.acc_steps = args.acc_steps if args.acc_steps is not None else (10 if args.quick else 40)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
 
@@ -688,7 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(out / f"{stem}_runs.csv", RUN_FIELDS, rows)
     meta = {"argv": sys.argv[1:] if argv is None else argv, "cpus": os.cpu_count(), "wall_seconds": time.monotonic() - started,
             "worlds": args.worlds, "rates": args.rates, "steps": args.steps, "warmup": args.warmup,
-            "acc_steps": args.acc_steps, "repeats": args.repeats, "delay": args.delay}
+            "acc_steps": args.acc_steps, "repeats": args.repeats, "key_repeats": args.key_repeats,
+            "small_rates": args.small_rates, "delay": args.delay}
     (out / f"{stem}_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     summary, target_rows = analyze(out, stem, update)
     print(targets_markdown(target_rows))

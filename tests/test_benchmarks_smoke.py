@@ -49,7 +49,7 @@ def _synthetic_e2e(tmp: Path) -> None:
                     "exposed_comm_ms": "" if scheme == "compute_only" else exposed * 1e3,
                     "other_ms": "" if scheme == "compute_only" else 5.0, "bytes_per_step": sent,
                 })
-                plan = {"plan_buffers": 1, "plan_dense_elements": 5_000, "plan_sparse_elements": params - 5_000,
+                plan = {"plan_buffers": 1, "plan_dense_elements": 0, "plan_sparse_elements": params,
                         "plan_sparse_k": 10_000} if scheme in simulate.SPARSE_KIND else {}
                 runs.append({"world": world, "rate": "none" if mbit == "inf" else rate, "workload": "toy",
                              "scheme": scheme, "rep": 0, "params": params, "per_rank_batch": batch, **plan})

@@ -434,6 +434,30 @@ def test_sidco_fits():
     assert abs(idx.numel() / 1310 - 1) < 0.15
 
 
+def reference_redsync(x: torch.Tensor, k: int, iters: int = 40) -> torch.Tensor:
+    """RedSync's plain binary search with naive full-tensor counts (no sampling, no candidate sets)."""
+    mean, top = selection.abs_mean_max(x)  # the same rounding of mean and max as the sparsifier
+    low, high, r = 0.0, 1.0, 0.5
+    for _ in range(iters):
+        count = int((x.abs() >= mean + r * (top - mean)).sum())
+        if k <= count <= 2 * k:
+            break
+        low, high = (low, r) if count < k else (r, high)
+        r = 0.5 * (low + high)
+    return (x.abs() >= mean + r * (top - mean)).nonzero().view(-1)
+
+
+@pytest.mark.parametrize("dist", ["gaussian", "laplace", "student_t3", "gradient_like"])
+@pytest.mark.parametrize("density", [0.001, 0.01])
+def test_redsync_with_sampled_search_plan_equals_the_plain_binary_search(dist, density):
+    """Above 2^18 elements the probes are planned from a sample; the answer must not change."""
+    x = dict(heavy_inputs(1 << 19, 11))[dist]
+    s = build_sparsifier("redsync", density=density)
+    _, indices = s.select(x)
+    want = reference_redsync(x, s.k_for(x.numel()))
+    assert torch.equal(torch.sort(indices).values, want)
+
+
 def test_redsync_lands_in_k_to_2k_even_when_mean_is_above_the_kth():
     g = torch.Generator().manual_seed(4)
     x = torch.rand(1 << 16, generator=g)
@@ -475,16 +499,19 @@ def test_adtopk_keeps_every_row(rows, inner, density, seed, dtype):
             assert bool((mag[kept.view(rows, cols)] >= kth.expand(rows, cols)[kept.view(rows, cols)]).all())
 
 
-@pytest.mark.parametrize("cols", [4096, 4100, 1000])
-@pytest.mark.parametrize("per_row", [1, 5, 41, 200])
+@pytest.mark.parametrize(
+    "rows, cols, per_row",
+    [(48, 4096, 1), (48, 4096, 5), (48, 4096, 41), (48, 4096, 200), (48, 4100, 41), (48, 1000, 5), (600, 4096, 41)],
+)
 @pytest.mark.parametrize("kind", ["normal", "ties"])
-def test_adtopk_row_fold_is_exact(cols, per_row, kind):
-    """The folded per-row top-k (large rows) takes the same magnitudes as torch.topk per row."""
+def test_adtopk_row_fold_is_exact(rows, cols, per_row, kind):
+    """The folded per-row top-k (large rows; 600 x 4096 spans two row blocks on CPU) takes the same
+    magnitudes as torch.topk per row."""
     from ssfusion_lightning.sparsifiers.adtopk import row_topk
 
-    x = make_input((48, cols), torch.float32, cols + per_row, kind)
+    x = make_input((rows, cols), torch.float32, cols + per_row, kind)
     columns = row_topk(x, per_row)
-    assert columns.shape == (48, per_row) and columns.dtype == torch.int64
+    assert columns.shape == (rows, per_row) and columns.dtype == torch.int64
     assert all(torch.unique(row).numel() == per_row for row in columns)
     ours = torch.sort(torch.gather(x.abs(), 1, columns), dim=1).values
     ref = torch.sort(torch.topk(x.abs(), per_row, dim=1).values, dim=1).values

@@ -188,7 +188,7 @@ class FusionEngine:
 
     def _reset_round(self) -> None:
         plan = self.active_plan
-        self._buffer_of = plan.buffer_of()
+        self._buffer_of = plan.buffer_of
         self._missing = [len(b.slots) for b in plan.buffers]
         self._used = [False] * len(self.params)
         self._ready_order: list[int] = []

@@ -7,6 +7,7 @@ that all ranks agreed on, so every rank computes the same plan and issues the sa
 from __future__ import annotations
 
 import hashlib
+from functools import cached_property
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -89,6 +90,7 @@ class Plan:
         text = repr([(b.index, b.channel, [(s.name, s.offset, s.numel, s.sparse, s.k) for s in b.slots]) for b in self.buffers])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    @cached_property
     def buffer_of(self) -> dict[int, int]:
         """Parameter position -> index of the buffer that holds it."""
         return {slot.param: buffer.index for buffer in self.buffers for slot in buffer.slots}

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, stable_hash
-from ssfusion_lightning.sparsifiers.selection import Candidates, abs_mean_max, sample_magnitudes
+from ssfusion_lightning.sparsifiers.selection import Candidates, abs_mean_max, kth_largest, sample_magnitudes
 
 SAMPLE = 1 << 16
 
@@ -77,6 +78,7 @@ class RedSyncSparsifier(ThresholdSparsifier):
             return flat.index_select(0, indices), indices
         mean, top = abs_mean_max(flat)
         candidates = Candidates(flat)
+        count = candidates.count
         if n > 4 * SAMPLE:
             sample = sample_magnitudes(flat, SAMPLE, offset=stable_hash(f"redsync:{self.step}:{key}"))
             scale = n / sample.numel()
@@ -85,6 +87,18 @@ class RedSyncSparsifier(ThresholdSparsifier):
                 return int((sample >= threshold).sum() if threshold > 0 else (sample > 0).sum()) * scale
 
             _, lowest = self._search(estimate, mean, top, k)
-            candidates.prepare(lowest)
-        r, _ = self._search(candidates.count, mean, top, k)
+            # One pass at the lowest probe the simulated search makes -- but not below the sample's
+            # estimate of the 3k-th magnitude: a probe under that threshold selects more than 2k
+            # whenever the prepared set already does, and the search needs no more than that.
+            floor = kth_largest(sample, math.ceil(3 * k / scale)) if 3 * k < n else 0.0
+            prepared = max(lowest, floor)
+            candidates.prepare(prepared)
+            enough = candidates.count(prepared) > 2 * k
+
+            def count(threshold: float) -> int:
+                if threshold < prepared and enough:
+                    return candidates.count(prepared)  # > 2k: all the search compares with
+                return candidates.count(threshold)
+
+        r, _ = self._search(count, mean, top, k)
         return self.finish(flat, candidates.select(max(mean + r * (top - mean), 0.0)), k, 2 * k)
