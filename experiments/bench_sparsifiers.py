@@ -3,6 +3,7 @@
     python -m experiments.bench_sparsifiers                  # N in {2^20, 2^24}, density in {0.001, 0.01}
     python -m experiments.bench_sparsifiers --device cuda    # adds N = 2^26
     python -m experiments.bench_sparsifiers --quick          # smoke run (seconds)
+    python -m experiments.bench_sparsifiers --threads 1 2    # both CPU thread counts, one table
 
 For every (N, density) the input is an fp32 tensor of N standard-normal values shaped as a
 square-ish matrix (rows = output channels for adtopk; every other sparsifier flattens it), the
@@ -43,6 +44,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"topk": (5.0, None), "dgc": (3.0, 0.9), "gaussiank": (3.0, 0.9), "threshold_reuse": (3.0, 0.9)}
 FIELDS = [
     "device",
+    "threads",
     "numel",
     "density",
     "sparsifier",
@@ -108,6 +110,7 @@ def bench_config(numel: int, density: float, device: torch.device, names: list[s
         rows.append(
             {
                 "device": device.type,
+                "threads": torch.get_num_threads() if device.type == "cpu" else "",
                 "numel": numel,
                 "density": density,
                 "sparsifier": name,
@@ -140,12 +143,12 @@ def markdown(rows: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        "| device | N | density | sparsifier | median ms | x abs() | x torch.topk | count / k | top-k mass |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| device | threads | N | density | sparsifier | median ms | x abs() | x torch.topk | count / k | top-k mass |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['device']} | 2^{int(math.log2(r['numel']))} | {r['density']} | {r['sparsifier']} | "
+            f"| {r['device']} | {r['threads']} | 2^{int(math.log2(r['numel']))} | {r['density']} | {r['sparsifier']} | "
             f"{r['median_ms']:.2f} | {r['x_abs']:.2f} | {r['x_topk']:.3f} | {r['count_over_k']:.3f} | {r['mass']:.3f} |"
         )
     checks = []
@@ -157,7 +160,8 @@ def markdown(rows: list[dict], header: str) -> str:
         ok = r["x_abs"] <= max_ratio and (min_mass is None or r["mass"] >= min_mass)
         mass_text = f", mass {r['mass']:.3f} (target >= {min_mass})" if min_mass is not None else ""
         checks.append(
-            f"- {r['sparsifier']}: {r['x_abs']:.2f}x abs() (target <= {max_ratio}x){mass_text}: {'met' if ok else 'NOT met'}"
+            f"- {r['sparsifier']} ({r['threads']} thread{'s' if r['threads'] != 1 else ''}): {r['x_abs']:.2f}x abs() "
+            f"(target <= {max_ratio}x){mass_text}: {'met' if ok else 'NOT met'}"
         )
     if checks:
         lines += ["", "Targets (N = 2^24, density 0.01, CPU):", *checks]
@@ -170,21 +174,26 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = sorted({(r["numel"], r["density"]) for r in rows})
+    configs = sorted({(str(r["threads"]), r["numel"], r["density"]) for r in rows})
     names = sorted({r["sparsifier"] for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
     width = 0.8 / max(1, len(configs))
-    for ci, (numel, density) in enumerate(configs):
-        by_name = {r["sparsifier"]: r for r in rows if r["numel"] == numel and r["density"] == density}
+    for ci, (threads, numel, density) in enumerate(configs):
+        by_name = {
+            r["sparsifier"]: r
+            for r in rows
+            if str(r["threads"]) == threads and r["numel"] == numel and r["density"] == density
+        }
         xs = [i + ci * width for i in range(len(names))]
-        label = f"N=2^{int(math.log2(numel))}, d={density}"
+        label = f"N=2^{int(math.log2(numel))}, d={density}" + (f", {threads} thr" if threads else "")
         axes[0].bar(xs, [by_name[n]["x_abs"] if n in by_name else 0 for n in names], width, label=label)
-        axes[1].bar(xs, [by_name[n]["mass"] if n in by_name else 0 for n in names], width, label=label)
-    for ax, title in zip(axes, ("time / one abs() pass (log)", "captured share of the true top-k's squared L2 mass")):
+        axes[1].bar(xs, [min(by_name[n]["mass"], 2.0) if n in by_name else 0 for n in names], width, label=label)
+    titles = ("time / one abs() pass (log)", "share of the true top-k's squared L2 mass (clipped at 2)")
+    for ax, title in zip(axes, titles):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
         ax.set_xticklabels(names, rotation=45, ha="right")
         ax.set_title(title)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2)
     axes[0].set_yscale("log")
     axes[0].axhline(1.0, color="grey", lw=0.8)
     axes[1].axhline(0.9, color="grey", lw=0.8, ls="--")
@@ -201,13 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (smoke run)")
     parser.add_argument("--sparsifiers", nargs="*", default=None, help="subset of sparsifier names")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per sparsifier")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument(
+        "--threads", type=int, nargs="*", default=None, help="CPU intra-op thread counts to run with (default: torch's)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory of sparsifiers.{csv,md,png}")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    thread_counts = args.threads or [torch.get_num_threads()]
     names = args.sparsifiers or available_sparsifiers()
     if args.quick:
         sizes, densities, reps, topk_reps = [1 << 18], [0.01], args.reps or 3, 2
@@ -216,14 +226,16 @@ def main(argv: list[str] | None = None) -> int:
         densities, reps, topk_reps = [0.001, 0.01], args.reps or 15, 5
 
     rows = []
-    for numel in sizes:
-        for density in densities:
-            rows.extend(bench_config(numel, density, device, names, reps, topk_reps))
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        for numel in sizes:
+            for density in densities:
+                rows.extend(bench_config(numel, density, device, names, reps, topk_reps))
 
     cpu = platform.processor() or platform.machine()
     header = (
         f"Sparsifier benchmark: device {device}"
-        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f" ({cpu}, {torch.get_num_threads()} threads)")
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f" ({cpu}, {os.cpu_count()} cores)")
         + f", torch {torch.__version__}, fp32 N(0,1) input, {reps} repetitions (median)"
         + (", --quick" if args.quick else "")
         + f", load average {os.getloadavg()[0]:.1f} at the end."

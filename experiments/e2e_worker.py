@@ -345,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))
+    if spec.get("nice"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, int(spec["nice"]))  # threads started later inherit it
+        except OSError as error:  # not permitted: run at the default priority
+            print(f"[e2e rank {rank}] cannot set niceness {spec['nice']}: {error}", flush=True)
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec.get("collective_timeout", 600)))
     COUNTER.install()
     ctl = Path(spec["ctl"])

@@ -21,15 +21,16 @@ class ResumableDataLoader(DataLoader):
         self._skip = 0
 
     def __iter__(self) -> Iterator[Any]:
-        iterator = super().__iter__()
         skip, self._skip = self._skip, 0
         self._yielded = 0
+        return self._count(super().__iter__(), skip)
+
+    def _count(self, iterator: Iterator[Any], skip: int) -> Iterator[Any]:
+        # Skip lazily, on the first next(): Lightning creates the iterator before it sets the
+        # sampler's epoch, and the sampler draws its order when first asked for a batch.
         for _ in range(skip):
             next(iterator)
             self._yielded += 1
-        return self._count(iterator)
-
-    def _count(self, iterator: Iterator[Any]) -> Iterator[Any]:
         for batch in iterator:
             self._yielded += 1
             yield batch

@@ -41,7 +41,7 @@ def row_topk(matrix: Tensor, per_row: int) -> Tensor:
     while levels < 3 and cols % (2 << levels) == 0 and 4 * per_row * (2 << levels) <= cols:
         levels += 1
     if matrix.device.type == "cpu":
-        block = max(1, CHUNK // cols)
+        block = min(rows, max(1, CHUNK // cols))
         mag_buffer, _ = scratch(matrix.dtype, block * cols)
         out = torch.empty(rows, per_row, dtype=torch.int64)
         for start in range(0, rows, block):

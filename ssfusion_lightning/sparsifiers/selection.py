@@ -28,9 +28,10 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-#: elements per chunk of the CPU selection pass (per-thread scratch: 1.5x this many elements of
-#: each dtype used, 12 MiB for fp32)
-CHUNK = 1 << 21
+#: elements per chunk of the CPU selection pass. Per-thread scratch of 1.5x min(CHUNK, numel)
+#: elements of each dtype used (48 MiB for fp32 at most). Few, large chunks: every op is a
+#: parallel region, and on a busy machine each region can wait a scheduler tick for its threads.
+CHUNK = 1 << 23
 #: below this size the CPU selection is one plain compare + nonzero
 FOLD_MIN = 1 << 15
 #: at most 2^MAX_LEVELS elements per group in the fold
