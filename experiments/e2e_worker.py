@@ -219,6 +219,7 @@ class StepRecorder(Callback):
         self.end: float | None = None
         self.engine: list[dict[str, float]] = []
         self.hook_payload: list[int] = []
+        self.losses: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
@@ -227,6 +228,8 @@ class StepRecorder(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.end = time.perf_counter()
         self.hook_payload.append(COUNTER.take())
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss) if loss is not None else float("nan"))
         metrics = getattr(trainer.strategy, "last_metrics", None)
         if metrics is not None:
             self.engine.append(metrics.as_dict())
@@ -324,6 +327,7 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
         "engine": recorder.engine if run["scheme"] in ENGINE_SCHEMES else [],
         "hook_payload": recorder.hook_payload if run["scheme"] in ("ddp_fp16", "ddp_powersgd") else [],
         "fit_seconds": fit_seconds,
+        "train_loss": recorder.losses,
         **recorder.plan,
     }
     if run.get("eval") and dist.get_rank() == 0:

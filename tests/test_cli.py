@@ -191,15 +191,11 @@ def test_sparsifier_options_build_an_instance_with_the_strategy_density():
     assert spec.density == 0.02 and spec.max_adjust == 2
 
 
-def test_communicator_options_that_cannot_reach_the_strategy_are_reported(caplog):
-    cfg = compose("strategy=zen", "sparsifier=topk", "fusion=ahead")
-    with caplog.at_level(logging.WARNING):
-        build_strategy(cfg)  # the comm yaml's options are the constructor defaults: nothing to report
-    assert "not applied" not in caplog.text
-    cfg = compose("strategy=zen", "sparsifier=topk", "fusion=ahead", "comm.options.profile_rounds=9")
-    with caplog.at_level(logging.WARNING):
-        build_strategy(cfg)
-    assert "comm options {'profile_rounds': 9} are not applied" in caplog.text
+def test_communicator_options_reach_the_strategy():
+    strategy = build_strategy(compose("strategy=zen", "sparsifier=topk", "fusion=ahead", "comm.options.profile_rounds=9"))
+    assert strategy.comm_name == "zen"
+    assert strategy.comm_options["profile_rounds"] == 9
+    assert strategy.comm_options["choice"] == "auto"
 
 
 def test_dense_baseline_is_lightnings_ddp():

@@ -171,37 +171,10 @@ def _named_options(node: Any, group: str) -> tuple[str, dict[str, Any]]:
     return name, {**options, **nested}
 
 
-def _non_default(factory: Any, options: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        parameters = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return dict(options)
-    return {k: v for k, v in options.items() if k not in parameters or parameters[k].default != v}
-
-
-def _component_kwargs(node: Any, group: str, registry: Any, strategy_parameters: Mapping[str, Any]) -> dict[str, Any]:
-    """``{group: name}``, plus ``{group}_options`` when the strategy takes them.
-
-    SSFusionStrategy takes the fusion policy and the communicator by name; options that differ from
-    the constructor's defaults cannot reach it then, which is reported rather than dropped silently.
-    """
+def _component_kwargs(node: Any, group: str) -> dict[str, Any]:
+    """``{group: name}``, plus ``{group}_options`` (the constructor options) when the config has any."""
     name, options = _named_options(node, group)
-    kwargs: dict[str, Any] = {group: name}
-    if not options:
-        return kwargs
-    if f"{group}_options" in strategy_parameters:
-        kwargs[f"{group}_options"] = options
-        return kwargs
-    factory = registry.get(name) if name in registry else None
-    ignored = _non_default(factory, options) if factory is not None else options
-    if ignored:
-        log.warning(
-            "%s options %s are not applied: SSFusionStrategy takes the %s by name (constructor defaults apply)",
-            group,
-            ignored,
-            group,
-        )
-    return kwargs
+    return {group: name, f"{group}_options": options} if options else {group: name}
 
 
 def build_strategy(cfg: DictConfig | Mapping[str, Any], multirun: bool = False) -> Any:
@@ -224,16 +197,12 @@ def build_strategy(cfg: DictConfig | Mapping[str, Any], multirun: bool = False) 
         return f"{name}_find_unused_parameters_true" if unused else name
     if kind != "ssfusion":
         raise ValueError(f"unknown strategy.kind {kind!r}; valid choices: {', '.join(STRATEGY_KINDS)}")
-    from ssfusion_lightning.comm import COMMUNICATORS
-    from ssfusion_lightning.fusion import FUSION_POLICIES
-
     kwargs = {key: options[key] for key in SSFUSION_OPTIONS if key in options}
     density = kwargs.get("density", 0.01)
-    parameters = inspect.signature(SSFusionStrategy.__init__).parameters
     return SSFusionStrategy(
         sparsifier=build_sparsifier_spec(cfg["sparsifier"], density),
-        **_component_kwargs(cfg["fusion"], "fusion", FUSION_POLICIES, parameters),
-        **_component_kwargs(cfg["comm"], "comm", COMMUNICATORS, parameters),
+        **_component_kwargs(cfg["fusion"], "fusion"),
+        **_component_kwargs(cfg["comm"], "comm"),
         start_method=start_method,
         **kwargs,
     )
