@@ -55,7 +55,7 @@ WORKLOADS = ("resnet18", "gpt2")
 STEP_FIELDS = [
     "world", "rate", "workload", "scheme", "rep", "step", "seconds", "bytes_sent", "bytes_received",
     "dense_equivalent_bytes", "compress_seconds", "exposed_comm_seconds", "buffers", "dense_tensors",
-    "sparse_tensors", "hook_payload_bytes",
+    "sparse_tensors", "hook_payload_bytes", "train_loss",
 ]
 RUN_FIELDS = [
     "world", "rate", "workload", "scheme", "rep", "steps", "warmup", "params", "param_tensors",
@@ -202,6 +202,7 @@ def raw_rows(runs: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
         })
         engine = run.get("engine") or []
         hook = run.get("hook_payload") or []
+        losses = run.get("train_loss") or []
         for step, seconds in enumerate(run.get("step_seconds") or []):
             m = engine[step] if step < len(engine) else {}
             steps.append({
@@ -210,6 +211,7 @@ def raw_rows(runs: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
                                               "compress_seconds", "exposed_comm_seconds", "buffers",
                                               "dense_tensors", "sparse_tensors")},
                 "hook_payload_bytes": hook[step] if step < len(hook) else "",
+                "train_loss": _fmt(losses[step]) if step < len(losses) else "",
             })
     return steps, rows
 

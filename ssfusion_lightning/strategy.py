@@ -293,6 +293,17 @@ class SSFusionStrategy(DDPStrategy):
         self.last_metrics = self.engine.finish()
         self._log_metrics(self.last_metrics)
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the step in any failure, also one raised by a collective outside the engine (e.g.
+        ``self.log(..., sync_dist=True)`` on the default group when a peer is gone)."""
+        super().on_exception(exception)
+        engine = self.engine
+        if engine is not None and not str(exception).startswith("ssfusion: step"):
+            exception.add_note(
+                f"ssfusion: step {engine.step} (communication round of this rank) failed; if this is a time-out "
+                "or a closed connection, a rank may have died or a link gone down"
+            )
+
     def _log_metrics(self, metrics: StepMetrics) -> None:
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is None or not self.is_global_zero or not trainer.loggers:
