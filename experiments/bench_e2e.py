@@ -60,12 +60,13 @@ STEP_FIELDS = [
 RUN_FIELDS = [
     "world", "rate", "workload", "scheme", "rep", "steps", "warmup", "params", "param_tensors",
     "per_rank_batch", "fit_seconds", "val_loss", "val_acc", "plan_buffers", "plan_dense_elements",
-    "plan_sparse_elements", "plan_sparse_k", "error",
+    "plan_sparse_elements", "plan_sparse_k", "elements_sent", "error",
 ]
 SUMMARY_FIELDS = [
     "world", "rate", "rate_mbit", "workload", "scheme", "steps_measured", "step_ms", "step_p25_ms", "step_p75_ms",
     "samples_per_s", "compute_ms", "lockstep_ms", "compress_ms", "exposed_comm_ms", "other_ms", "comm_fraction",
     "bytes_per_step", "dense_bytes_per_step", "x_ddp", "x_best_hook", "of_compute", "val_acc", "val_loss",
+    "train_loss_end",
 ]
 TARGET_FIELDS = ["world", "workload", "check", "rate", "value", "target", "met", "note"]
 
@@ -198,6 +199,9 @@ def raw_rows(runs: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
             "fit_seconds": _fmt(run.get("fit_seconds")), "val_loss": _fmt(ev.get("val_loss")),
             "val_acc": _fmt(ev.get("val_acc")),
             **{f: run.get(f, "") for f in ("plan_buffers", "plan_dense_elements", "plan_sparse_elements", "plan_sparse_k")},
+            # elements this rank sent per step (dense part + selected), median over the measured steps
+            "elements_sent": _fmt(_median([m["elements_sent"] for m in (run.get("engine") or [])[run["warmup"]:]
+                                           if "elements_sent" in m])),
             "error": run["error"].strip().splitlines()[-1] if run.get("error") else "",
         })
         engine = run.get("engine") or []
@@ -302,6 +306,8 @@ def summarize(steps: list[dict[str, str]], runs: list[dict[str, str]]) -> list[d
             "exposed_engine_s": _median([v for s in items if (v := _num(s["exposed_comm_seconds"])) is not None]),
             "bytes_per_step": sent, "dense_bytes_per_step": dense,
             "val_acc": _num(run["val_acc"]), "val_loss": _num(run["val_loss"]),
+            "train_loss_end": _train_loss_end(items) if run["val_acc"] else None,
+            "run_steps": int(run["steps"]),
         }
     # Without communication the link does not matter: the compute references pool every phase's
     # compute_only / compute_sync steps of a (P, workload), robust to one phase run under another
@@ -347,6 +353,12 @@ def summarize(steps: list[dict[str, str]], runs: list[dict[str, str]]) -> list[d
     return out
 
 
+def _train_loss_end(items: list[dict[str, str]]) -> float | None:
+    """Mean training loss of the last 5 steps of rep 0 (the accuracy run)."""
+    losses = sorted((int(s["step"]), float(s["train_loss"])) for s in items if s["rep"] == "0" and s.get("train_loss"))
+    return statistics.mean(v for _, v in losses[-5:]) if losses else None
+
+
 def summary_csv_rows(summary: list[dict[str, Any]]) -> list[dict[str, str]]:
     rows = []
     for r in summary:
@@ -363,7 +375,7 @@ def summary_csv_rows(summary: list[dict[str, Any]]) -> list[dict[str, str]]:
             "bytes_per_step": num("bytes_per_step", "{:.0f}"), "dense_bytes_per_step": num("dense_bytes_per_step", "{:.0f}"),
             "x_ddp": num("x_ddp", "{:.3f}"), "x_best_hook": num("x_best_hook", "{:.3f}"),
             "of_compute": num("of_compute", "{:.3f}"), "val_acc": num("val_acc", "{:.4f}"),
-            "val_loss": num("val_loss", "{:.4f}"),
+            "val_loss": num("val_loss", "{:.4f}"), "train_loss_end": num("train_loss_end", "{:.4f}"),
         })
     return rows
 
@@ -507,12 +519,15 @@ def report_block(summary: list[dict[str, Any]], target_rows: list[dict[str, Any]
             lines.append("")
     acc = [r for r in summary if r["val_acc"] is not None]
     if acc:
-        lines += [f"### Accuracy after the same steps (P = {acc[0]['world']}, link {rate_label(acc[0]['rate'])})", "",
-                  "| workload | scheme | val acc | val loss | acc - ddp (points) |", "|---|---|---:|---:|---:|"]
+        lines += [f"### Accuracy after the same {acc[0]['run_steps']} steps (P = {acc[0]['world']}, link "
+                  f"{rate_label(acc[0]['rate'])}; rank 0's model on the 512-sample validation split)", "",
+                  "| workload | scheme | val acc | val loss | train loss (last 5 steps) | acc - ddp (points) |",
+                  "|---|---|---:|---:|---:|---:|"]
         for r in acc:
             ddp = next((d for d in acc if d["workload"] == r["workload"] and d["scheme"] == "ddp"), None)
             delta = 100 * (r["val_acc"] - ddp["val_acc"]) if ddp else None
-            lines.append(f"| {r['workload']} | {r['scheme']} | {r['val_acc']:.4f} | {r['val_loss']:.3f} | {_cell(delta, '{:+.1f}')} |")
+            lines.append(f"| {r['workload']} | {r['scheme']} | {r['val_acc']:.4f} | {r['val_loss']:.3f} | "
+                         f"{_cell(r['train_loss_end'], '{:.3f}')} | {_cell(delta, '{:+.1f}')} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -648,6 +663,46 @@ def plot(summary: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
     return written
 
 
+def plot_loss(steps: list[dict[str, str]], runs: list[dict[str, str]], out: Path, stem: str) -> Path | None:
+    """Training loss per step of the accuracy runs (rank 0's batch), smoothed over 5 steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evaluated = {(r["world"], r["rate"], r["workload"], r["scheme"], r["rep"]) for r in runs if r["val_acc"]}
+    curves: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
+    for s in steps:
+        key = (s["world"], s["rate"], s["workload"], s["scheme"], s["rep"])
+        if key in evaluated and s.get("train_loss"):
+            curves[key].append((int(s["step"]), float(s["train_loss"])))
+    if not curves:
+        return None
+    workloads = sorted({k[2] for k in curves}, key=_workload_order)
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.2), squeeze=False)
+    for j, workload in enumerate(workloads):
+        ax = axes[0][j]
+        for key, points in sorted(curves.items(), key=lambda kv: SCHEMES.index(kv[0][3]) if kv[0][3] in SCHEMES else 99):
+            if key[2] != workload:
+                continue
+            points.sort()
+            ys = [y for _, y in points]
+            smooth = [statistics.mean(ys[max(0, i - 4): i + 1]) for i in range(len(ys))]
+            style = {"ddp": dict(color="tab:red", linewidth=2.5), "ssfusion": dict(color="tab:blue", linewidth=2.5)}
+            ax.plot([x for x, _ in points], smooth, label=key[3], **style.get(key[3], {"linewidth": 1.2}))
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (rank 0, mean of 5 steps)")
+        world = next(k[0] for k in curves if k[2] == workload)
+        ax.set_title(f"{workload}, P = {world}")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / f"{stem}_loss.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # =========================================================================== main
 def analyze(out: Path, stem: str, update: bool) -> tuple[list[dict], list[dict]]:
     steps = read_csv(out / f"{stem}_steps.csv")
@@ -659,6 +714,7 @@ def analyze(out: Path, stem: str, update: bool) -> tuple[list[dict], list[dict]]
     write_csv(out / f"{stem}_targets.csv", TARGET_FIELDS, target_csv_rows(target_rows))
     (out / f"{stem}_targets.md").write_text(targets_markdown(target_rows) + "\n")
     plot(summary, out, stem)
+    plot_loss(steps, runs, out, stem)
     if update and update_report(report_block(summary, target_rows)):
         print(f"updated the e2e block of {REPORT}")
     if update and update_report(headline_block(summary, target_rows), marker="e2e-headline"):
@@ -670,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: P=2, small models, 2 rates, few steps")
     parser.add_argument("--from-csv", action="store_true", help="only rebuild summary, tables, plots, REPORT block")
+    parser.add_argument("--from-raw", action="store_true", help="rebuild the CSVs too, from <stem>_raw.jsonl")
     parser.add_argument("--worlds", type=int, nargs="+", default=None)
     parser.add_argument("--rates", nargs="+", default=None, help="tc rates; 'none' = unshaped (put it first)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
@@ -700,13 +757,20 @@ def main(argv: list[str] | None = None) -> int:
         summary, target_rows = analyze(out, stem, update)
         print(targets_markdown(target_rows))
         return 0
+    if args.from_raw:
+        runs = [json.loads(line) for line in (out / f"{stem}_raw.jsonl").read_text().splitlines()]
+        meta = json.loads((out / f"{stem}_meta.json").read_text()) if (out / f"{stem}_meta.json").exists() else {}
+        for key, value in meta.items():
+            if getattr(args, key, None) is None and key in vars(args):
+                setattr(args, key, value)
+        return finish(runs, out, stem, args, argv, time.monotonic(), update, write_meta=False)
 
     args.worlds = args.worlds or ([2] if args.quick else [2, 4])
     args.rates = args.rates or (["none", "50mbit"] if args.quick else DEFAULT_RATES)
     args.key_repeats = args.key_repeats if args.key_repeats is not None else (1 if args.quick else 2)
     args.steps = args.steps or (8 if args.quick else 14)
     args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 6)
-    args.acc_steps = args.acc_steps if args.acc_steps is not None else (10 if args.quick else 40)
+    args.acc_steps = args.acc_steps if args.acc_steps is not None else (10 if args.quick else 48)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
 
@@ -721,6 +785,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ssf_e2e_") as tmp:
         for world in args.worlds:
             runs += run_world(world, build_phases(world, args, max(args.worlds)), args, Path(tmp))
+            # keep the raw records (every step's metrics) before anything else can fail
+            (out / f"{stem}_raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    return finish(runs, out, stem, args, argv, started, update)
+
+
+def finish(runs: list[dict[str, Any]], out: Path, stem: str, args: argparse.Namespace, argv, started: float,
+           update: bool, write_meta: bool = True) -> int:
     steps, rows = raw_rows(runs)
     write_csv(out / f"{stem}_steps.csv", STEP_FIELDS, steps)
     write_csv(out / f"{stem}_runs.csv", RUN_FIELDS, rows)
@@ -728,7 +799,8 @@ def main(argv: list[str] | None = None) -> int:
             "worlds": args.worlds, "rates": args.rates, "steps": args.steps, "warmup": args.warmup,
             "acc_steps": args.acc_steps, "repeats": args.repeats, "key_repeats": args.key_repeats,
             "small_rates": args.small_rates, "delay": args.delay, "nice": args.nice}
-    (out / f"{stem}_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    if write_meta:
+        (out / f"{stem}_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     summary, target_rows = analyze(out, stem, update)
     print(targets_markdown(target_rows))
     print(f"wrote {out}/{stem}*.{{csv,md,png}} in {time.monotonic() - started:.0f} s")

@@ -184,9 +184,12 @@ def load_e2e(e2e_dir: Path, stem: str = "e2e") -> tuple[list[dict[str, Any]], di
         batch[r["workload"]] = int(r["per_rank_batch"])
         params = int(r["params"])
         if r["scheme"] in SPARSE_KIND and r.get("plan_sparse_k"):
+            dense = int(r["plan_dense_elements"])
+            # selected per step: what the rank really sent (the plan's k is per tensor; fusion
+            # "behind" selects per buffer), else the plan's k
+            k = int(float(r["elements_sent"])) - dense if r.get("elements_sent") else int(r["plan_sparse_k"])
             plans[(int(r["world"]), label, r["workload"], r["scheme"])] = Workload(
-                r["workload"], params, int(r["plan_dense_elements"]), int(r["plan_sparse_elements"]),
-                int(r["plan_sparse_k"]), int(r["plan_buffers"]))
+                r["workload"], params, dense, int(r["plan_sparse_elements"]), max(0, k), int(r["plan_buffers"]))
         elif r["scheme"] in DDP_LIKE:
             payload = statistics.median(v for (wl, _), v in psgd.items() if wl == r["workload"]) if any(
                 wl == r["workload"] for wl, _ in psgd) else 0.0
@@ -386,20 +389,27 @@ def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
 
 
 def claims(projection: list[dict]) -> list[dict[str, Any]]:
-    """Communication-time ratios at the published scales: ZEN (16 machines) and Ok-Topk (BERT, 256)."""
-    find = {(r["kind"], r["workload"], r["link"], r["world"], r["scheme"]): r for r in projection}
+    """Communication-time ratios of the paper-size models at the published scales: ZEN at 16
+    machines versus the best prior sparse scheme (allgather, SparCML), Ok-Topk at 256 versus the
+    best other sparse allreduce (allgather, ZEN, SparCML), and ssfusion versus both at both scales."""
+    find = {(r["workload"], r["link"], r["world"], r["scheme"]): r["comm_ms"] for r in projection if r["kind"] == "paper"}
+    allgather = "safusion"  # the plain allgather scheme (no dense part beyond 1-D tensors)
     out = []
     for workload in sorted({r["workload"] for r in projection if r["kind"] == "paper"}):
         for link in PAPER_LINKS:
-            for world, scheme, others in ((16, "zen", ("allgather", "sparcml", "oktopk")),
-                                          (256, "oktopk", ("allgather", "zen", "sparcml")),
-                                          (16, "ssfusion", ("zen", "oktopk")), (256, "ssfusion", ("zen", "oktopk"))):
-                mine = find.get(("paper", workload, link, world, scheme))
-                for other in others:
-                    ref = find.get(("paper", workload, link, world, "safusion" if other == "allgather" else other))
-                    if mine and ref:
-                        out.append({"workload": workload, "link": link, "world": world, "scheme": scheme, "versus": other,
-                                    "comm_time_ratio": ref["comm_ms"] / mine["comm_ms"]})
+            get = lambda p, s: find.get((workload, link, p, s))  # noqa: E731
+            if get(16, "zen") is None or get(256, "oktopk") is None:
+                continue
+            best_prior_16 = min(get(16, allgather), get(16, "sparcml"))
+            best_other_256 = min(get(256, allgather), get(256, "zen"), get(256, "sparcml"))
+            out.append({
+                "workload": workload, "link": link,
+                "zen16_vs_best_prior": best_prior_16 / get(16, "zen"),
+                "oktopk256_vs_best_other": best_other_256 / get(256, "oktopk"),
+                "ssfusion16_vs_zen": get(16, "zen") / get(16, "ssfusion"),
+                "ssfusion256_vs_oktopk": get(256, "oktopk") / get(256, "ssfusion"),
+                "ssfusion256_vs_ddp": get(256, "ddp") / get(256, "ssfusion"),
+            })
     return out
 
 
@@ -435,11 +445,16 @@ def markdown(check_rows: list[dict], projection: list[dict], alpha: float, base_
                         f"{vals[p]['samples_per_s']:.0f}" if p in vals else "" for p in (8, 64, 256, 1024)) + " |")
         lines.append("")
     if claim_rows:
-        lines += ["Communication-time ratio (other / scheme) of the paper-size models at the published scales "
-                  "(ZEN: 16 machines, up to 5.09x over the best prior sparse scheme; Ok-Topk: 256 GPUs):", "",
-                  "| workload | link | P | scheme | vs | comm-time ratio |", "|---|---|---:|---|---|---:|"]
+        lines += ["Communication time per step of the paper-size models (no overlap; 1-D tensors dense, the rest "
+                  "top-1%, independent selections), as ratios (> 1: the named scheme communicates faster). Published: "
+                  "ZEN up to 5.09x communication time over the best prior sparse scheme at 16 machines; Ok-Topk "
+                  "3.29x-12.95x throughput over other sparse allreduces for BERT at 256 GPUs.", "",
+                  "| workload | link | ZEN@16 vs best of allgather/SparCML | Ok-Topk@256 vs best of allgather/ZEN/SparCML "
+                  "| ssfusion@16 vs ZEN | ssfusion@256 vs Ok-Topk | ssfusion@256 vs dense ring |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
         for r in claim_rows:
-            lines.append(f"| {r['workload']} | {r['link']} | {r['world']} | {r['scheme']} | {r['versus']} | {r['comm_time_ratio']:.2f} |")
+            lines.append(f"| {r['workload']} | {r['link']} | {r['zen16_vs_best_prior']:.2f} | {r['oktopk256_vs_best_other']:.2f} | "
+                         f"{r['ssfusion16_vs_zen']:.2f} | {r['ssfusion256_vs_oktopk']:.2f} | {r['ssfusion256_vs_ddp']:.2f} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -9,7 +9,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ssfusion_lightning.comm.base import COMMUNICATORS, Communicator, PendingReduction
-from ssfusion_lightning.comm.channels import ChannelSet
+from concurrent.futures import Future
+
+from ssfusion_lightning.comm.channels import Channel, ChannelSet
 from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
 from ssfusion_lightning.engine.plan import Buffer
@@ -48,8 +50,12 @@ class SchemeCommunicator(Communicator):
             if encoded.shared_indices:
                 sparse = channel.submit(allreduce_shared_positions, encoded.values, encoded.indices, buffer.sparse_numel)
             else:
-                sparse = channel.submit(self._sparse_job, encoded.values, encoded.indices, buffer.sparse_numel, encoded.equal_counts)
+                sparse = self.submit_sparse(channel, encoded, buffer)
         return PendingReduction(dense, sparse, channels.device)
+
+    def submit_sparse(self, channel: Channel, encoded: Encoded, buffer: Buffer) -> Future:
+        """Queue the sparse part's job; stateful schemes override it to pass their per-buffer key."""
+        return channel.submit(self._sparse_job, encoded.values, encoded.indices, buffer.sparse_numel, encoded.equal_counts)
 
     def _sparse_job(self, values: Tensor, indices: Tensor, numel: int, equal_counts: bool, group) -> tuple[Tensor, Traffic, Any]:
         traffic = Traffic()

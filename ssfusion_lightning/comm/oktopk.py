@@ -23,6 +23,7 @@ element was both sent by the rank and applied globally.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ssfusion_lightning.comm.base import COMMUNICATORS, PendingReduction
-from ssfusion_lightning.comm.channels import ChannelSet
-from ssfusion_lightning.comm.collectives import SchemeCommunicator, allreduce_dense, allreduce_shared_positions
+from ssfusion_lightning.comm.base import COMMUNICATORS
+from ssfusion_lightning.comm.channels import Channel
+from ssfusion_lightning.comm.collectives import SchemeCommunicator
 from ssfusion_lightning.comm.schemes import INDEX_BYTES, accumulation_dtype
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
 from ssfusion_lightning.engine.plan import Buffer
@@ -271,19 +272,10 @@ class OkTopkCommunicator(SchemeCommunicator):
         self._states: dict[str, OkTopkState] = {}
         self._lock = threading.Lock()
 
-    def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
-        dense = sparse = None
-        if encoded.dense is not None:
-            dense = channels[buffer.channel].submit(allreduce_dense, encoded.dense)
-        if encoded.values is not None:
-            channel = channels[buffer.channel + (1 if self.split and dense is not None else 0)]
-            if encoded.shared_indices:
-                sparse = channel.submit(allreduce_shared_positions, encoded.values, encoded.indices, buffer.sparse_numel)
-            else:
-                key = f"{buffer.index}:{buffer.sparse_numel}"
-                k = sum(slot.k for slot in buffer.sparse_slots)
-                sparse = channel.submit(self._oktopk_job, key, k, encoded.values, encoded.indices, buffer.sparse_numel)
-        return PendingReduction(dense, sparse, channels.device)
+    def submit_sparse(self, channel: Channel, encoded: Encoded, buffer: Buffer) -> Future:
+        key = f"{buffer.index}:{buffer.sparse_numel}"
+        k = sum(slot.k for slot in buffer.sparse_slots)
+        return channel.submit(self._oktopk_job, key, k, encoded.values, encoded.indices, buffer.sparse_numel)
 
     def state_for(self, key: str) -> OkTopkState:
         with self._lock:

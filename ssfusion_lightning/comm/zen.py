@@ -21,6 +21,7 @@ every rank ends with bitwise-identical outputs.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 import time
 from typing import Any
 
@@ -29,9 +30,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ssfusion_lightning.comm import sparcml as _sparcml  # noqa: F401  (registers the sparcml scheme)
-from ssfusion_lightning.comm.base import COMMUNICATORS, PendingReduction
-from ssfusion_lightning.comm.channels import ChannelSet
-from ssfusion_lightning.comm.collectives import SchemeCommunicator, allreduce_dense, allreduce_shared_positions
+from ssfusion_lightning.comm.base import COMMUNICATORS
+from ssfusion_lightning.comm.channels import Channel
+from ssfusion_lightning.comm.collectives import SchemeCommunicator
 from ssfusion_lightning.comm.schemes import INDEX_BYTES, SPARSE_SCHEMES, accumulation_dtype
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
 from ssfusion_lightning.engine.plan import Buffer
@@ -359,18 +360,9 @@ class ZenCommunicator(SchemeCommunicator):
         self._seeds: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
-        dense = sparse = None
-        if encoded.dense is not None:
-            dense = channels[buffer.channel].submit(allreduce_dense, encoded.dense)
-        if encoded.values is not None:
-            channel = channels[buffer.channel + (1 if self.split and dense is not None else 0)]
-            if encoded.shared_indices:
-                sparse = channel.submit(allreduce_shared_positions, encoded.values, encoded.indices, buffer.sparse_numel)
-            else:
-                key = f"{buffer.index}:{buffer.sparse_numel}"
-                sparse = channel.submit(self._zen_job, key, encoded.values, encoded.indices, buffer.sparse_numel)
-        return PendingReduction(dense, sparse, channels.device)
+    def submit_sparse(self, channel: Channel, encoded: Encoded, buffer: Buffer) -> Future:
+        key = f"{buffer.index}:{buffer.sparse_numel}"
+        return channel.submit(self._zen_job, key, encoded.values, encoded.indices, buffer.sparse_numel)
 
     def _state(self, key: str) -> _BufferState:
         with self._lock:

@@ -339,26 +339,20 @@ class FusionEngine:
         return metrics
 
     def _settle(self, item: Any, what: str) -> Any:
-        """Wait for a worker job; a failure or a time-out becomes a CommunicationError naming the step."""
+        """Wait for a worker job's value (a launched buffer, a control collective)."""
         if not isinstance(item, Future):
             return item
-        try:
-            value = item.result(timeout=self.config.timeout_seconds)
-        except FutureTimeout:
-            self._failed = True
-            raise CommunicationError(
-                f"ssfusion: step {self.step}: {what} did not complete within {self.config.timeout_seconds}s "
-                "(a rank may have died or a link gone down)"
-            ) from None
-        except Exception as error:
-            self._failed = True
-            raise CommunicationError(f"ssfusion: step {self.step}: {what} failed: {error}") from error
+        value = self._guarded(what, item.result)
         return value.get(self.channels.device) if isinstance(value, Completed) else value
 
     def _wait(self, buffer: Buffer, pending: PendingReduction) -> Reduced:
         what = f"buffer {buffer.index} ({self.communicator.name} on process group {buffer.channel % len(self.channels)})"
+        return self._guarded(what, pending.wait)
+
+    def _guarded(self, what: str, wait) -> Any:
+        """A failure or a time-out becomes a CommunicationError naming the step and what failed."""
         try:
-            return pending.wait(self.config.timeout_seconds)
+            return wait(timeout=self.config.timeout_seconds)
         except FutureTimeout:
             self._failed = True
             raise CommunicationError(

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.registry import Registry
+from ssfusion_lightning.sparsifiers.selection import trim_to_k
 
 
 def k_for(numel: int, density: float) -> int:
@@ -26,7 +27,7 @@ def stable_hash(text: str) -> int:
     return _stable_hash(str(text))
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=4096)
 def _stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
 
@@ -109,8 +110,6 @@ class ThresholdSparsifier(Sparsifier):
     exact_k = False
 
     def finish(self, flat: Tensor, indices: Tensor, k: int, cap: float) -> tuple[Tensor, Tensor]:
-        from ssfusion_lightning.sparsifiers.selection import trim_to_k
-
         if indices.numel() > cap:
             indices = trim_to_k(flat, indices, k)
         if indices.numel() == 0 and flat.numel() > 0:
