@@ -180,7 +180,14 @@ def test_dgc_memory_momentum_semantics():
     grads = integer_grads((10,), 6, 1)
     u = torch.zeros(10, dtype=torch.float64)
     v = torch.zeros(10, dtype=torch.float64)
-    sends = [torch.tensor([0, 3]), torch.tensor([], dtype=torch.int64), torch.tensor([3, 9]), torch.arange(10), torch.tensor([5]), torch.tensor([2])]
+    sends = [
+        torch.tensor([0, 3]),
+        torch.tensor([], dtype=torch.int64),
+        torch.tensor([3, 9]),
+        torch.arange(10),
+        torch.tensor([5]),
+        torch.tensor([2]),
+    ]
     for grad, sent in zip(grads, sends):
         u = m * u + grad
         v = v + u

@@ -57,6 +57,7 @@ def test_strategy_string_reaches_the_trainer():
         ({"buffer_mb": -1}, "buffer_mb must be a positive number, got -1"),
         ({"process_groups": 0}, "process_groups must be an integer >= 1, got 0"),
         ({"warmup_steps": -2}, "warmup_steps must be an integer >= 0, got -2"),
+        ({"nonfinite": "ignore"}, "unknown nonfinite policy 'ignore'; valid choices: raise, skip"),
     ],
 )
 def test_bad_arguments_name_the_value_and_the_choices(kwargs, message):

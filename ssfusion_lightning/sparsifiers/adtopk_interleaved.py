@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ssfusion_lightning.sparsifiers.adtopk import ADTopkSparsifier
@@ -40,5 +39,5 @@ class InterleavedADTopkSparsifier(ADTopkSparsifier):
             indices = self.select_rows(tensor, k)
         else:
             count = self.output_count(tensor.shape, k)
-            indices = topk_indices(flat, count) if count < flat.numel() else torch.arange(flat.numel(), device=flat.device)
+            indices = topk_indices(flat, count)  # every index when count covers the tensor
         return flat.index_select(0, indices), indices

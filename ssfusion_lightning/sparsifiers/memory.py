@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.registry import Registry
-from ssfusion_lightning.sparsifiers.selection import all_finite
+from ssfusion_lightning.sparsifiers.selection import accumulation_dtype, all_finite
 
 
 class Memory(ABC):
@@ -129,7 +129,8 @@ class DGCMemory(Memory):
     def __init__(self, momentum: float = 0.9, clip_norm: float | None = None) -> None:
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm < 0):
+        bad_clip = isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm < 0
+        if clip_norm is not None and bad_clip:
             raise ValueError(f"clip_norm must be None or a number >= 0, got {clip_norm!r}")
         self.momentum = float(momentum)
         self.clip_norm = float(clip_norm) if clip_norm else None
@@ -140,7 +141,7 @@ class DGCMemory(Memory):
     def _clip(self, grad: Tensor) -> Tensor:
         if self.clip_norm is None:
             return grad
-        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64 if grad.dtype == torch.float64 else torch.float32))
+        norm = float(torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype)))
         if norm > self.clip_norm:
             return grad * (self.clip_norm / norm)
         return grad

@@ -81,7 +81,8 @@ def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
     (G = 2^levels, s = chunk / G). Only groups whose maximum reaches the threshold are inspected,
     member by member, which replaces a compare and a ``nonzero`` over every element by the same
     over 1/G of them plus a gather of the hit groups. ``levels`` adapts to the hit rate of the
-    previous chunk, down to 0 (a plain compare) for dense selections. A NaN makes its group a hit (``maximum`` propagates it) but is never selected.
+    previous chunk, down to 0 (a plain compare) for dense selections. A NaN makes its group a hit
+    (``maximum`` propagates it) but is never selected.
     """
     n = flat.numel()
     if math.isnan(threshold):

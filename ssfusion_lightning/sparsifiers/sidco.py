@@ -109,7 +109,8 @@ class SIDCoSparsifier(ThresholdSparsifier):
         self.distribution = distribution
         self.stages = stages
         self.max_adjust = max_adjust
-        if fit_sample is not None and (isinstance(fit_sample, bool) or not isinstance(fit_sample, int) or fit_sample < 0):
+        bad_sample = isinstance(fit_sample, bool) or not isinstance(fit_sample, int) or fit_sample < 0
+        if fit_sample is not None and bad_sample:
             raise ValueError(f"fit_sample must be None or an integer >= 0, got {fit_sample!r}")
         self.fit_sample = fit_sample
 
