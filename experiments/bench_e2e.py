@@ -381,17 +381,24 @@ def summary_csv_rows(summary: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 # =========================================================================== targets
-def headline_rate(summary: list[dict[str, Any]], world: int, workload: str) -> tuple[str | None, bool]:
-    """The fastest shaped link at which dense DDP spends >= 2/3 of its step communicating
-    (``(False)`` and the slowest link when no measured rate qualifies)."""
+def qualifying_rates(summary: list[dict[str, Any]], world: int, workload: str) -> tuple[list[str], bool]:
+    """Shaped links at which dense DDP spends >= 2/3 of its step communicating, fastest first
+    (``False`` and only the slowest link when no measured rate qualifies)."""
     ddp = [r for r in summary if r["world"] == world and r["workload"] == workload and r["scheme"] == "ddp"
            and r["comm_fraction"] is not None and r["rate_mbit"] != math.inf]
     if not ddp:
-        return None, False
-    bound = [r for r in ddp if r["comm_fraction"] >= 2 / 3]
+        return [], False
+    bound = sorted((r for r in ddp if r["comm_fraction"] >= 2 / 3), key=lambda r: -r["rate_mbit"])
     if bound:
-        return max(bound, key=lambda r: r["rate_mbit"])["rate"], True
-    return min(ddp, key=lambda r: r["rate_mbit"])["rate"], False
+        return [r["rate"] for r in bound], True
+    return [min(ddp, key=lambda r: r["rate_mbit"])["rate"]], False
+
+
+def headline_rate(summary: list[dict[str, Any]], world: int, workload: str) -> tuple[str | None, bool]:
+    """The slowest qualifying link (the most communication-bound one, where the target schemes
+    ran --key-repeats times); see ``qualifying_rates``."""
+    rates, bound = qualifying_rates(summary, world, workload)
+    return (rates[-1] if rates else None), bound
 
 
 def targets(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -407,8 +414,8 @@ def targets(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     for world in worlds:
         for workload in workloads:
-            rate, bound = headline_rate(summary, world, workload)
-            if rate is not None:
+            rates, bound = qualifying_rates(summary, world, workload)
+            for rate in rates:
                 ddp = find.get((world, rate, workload, "ddp"))
                 ssf = find.get((world, rate, workload, "ssfusion"))
                 note = f"DDP comm fraction {ddp['comm_fraction']:.2f}" + ("" if bound else " (< 2/3 at every measured rate)")
@@ -496,7 +503,7 @@ def targets_markdown(rows: list[dict[str, Any]]) -> str:
 
 def report_block(summary: list[dict[str, Any]], target_rows: list[dict[str, Any]]) -> str:
     """The generated part of REPORT.md: targets, then the headline phase's breakdown per workload."""
-    lines = ["### Targets (largest P; the headline link is the fastest where DDP is >= 2/3 communication)", "",
+    lines = ["### Targets, at every link where dense DDP is >= 2/3 communication", "",
              targets_markdown(target_rows), ""]
     worlds = sorted({r["world"] for r in summary})
     for world in worlds[-1:]:
@@ -534,21 +541,27 @@ def report_block(summary: list[dict[str, Any]], target_rows: list[dict[str, Any]
 
 def headline_block(summary: list[dict[str, Any]], target_rows: list[dict[str, Any]]) -> str:
     """The key ratios in a few bullets (REPORT.md's first numbers), one per world size and workload."""
-    find = {(t["world"], t["workload"], t["check"]): t for t in target_rows}
+    find = {(t["world"], t["workload"], t["check"], t["rate"]): t for t in target_rows}
     lines = []
     for world in sorted({t["world"] for t in target_rows}, reverse=True):
         for workload in sorted({t["workload"] for t in target_rows if t["world"] == world}, key=_workload_order):
-            get = lambda check: find.get((world, workload, check))  # noqa: E731
-            frac, x_ddp, x_hook, of_compute = (get(c) for c in ("ddp_comm_fraction", "ssfusion_x_ddp",
-                                                                  "ssfusion_x_best_hook", "ssfusion_of_compute"))
-            acc, dense = get("ssfusion_acc_minus_ddp_points"), get("dense_engine_step_over_ddp")
+            get = lambda check, rate: find.get((world, workload, check, rate))  # noqa: E731
+            by_check = lambda check: next((t for t in target_rows if (t["world"], t["workload"], t["check"])  # noqa: E731
+                                           == (world, workload, check)), None)
+            acc, dense = by_check("ssfusion_acc_minus_ddp_points"), by_check("dense_engine_step_over_ddp")
             parts = []
-            if frac and x_ddp:
-                ssf = next(r for r in summary if (r["world"], rate_label(r["rate"]), r["workload"], r["scheme"])
-                           == (world, frac["rate"], workload, "ssfusion"))
-                lock = f", lockstep floor {ssf['compute_s'] / ssf['lockstep_s']:.0%} of compute-only" if ssf["lockstep_s"] else ""
+            for rate in qualifying_rates(summary, world, workload)[0]:
+                label = rate_label(rate)
+                frac, x_ddp, x_hook, of_compute = (get(c, label) for c in ("ddp_comm_fraction", "ssfusion_x_ddp",
+                                                                             "ssfusion_x_best_hook", "ssfusion_of_compute"))
+                if not (frac and x_ddp):
+                    continue
+                ssf = next(r for r in summary if (r["world"], r["rate"], r["workload"], r["scheme"])
+                           == (world, rate, workload, "ssfusion"))
+                lock = (f"; compute_sync, the no-payload lockstep, at {ssf['compute_s'] / ssf['lockstep_s']:.0%} of it"
+                        if ssf["lockstep_s"] else "")
                 parts.append(
-                    f"at {frac['rate']} (dense DDP {frac['value']:.0%} communication{'' if frac['met'] else ', below 2/3'}): "
+                    f"at {label} (dense DDP {frac['value']:.0%} communication{'' if frac['met'] else ', below 2/3'}): "
                     f"ssfusion **{x_ddp['value']:.2f}x** Lightning ddp (target 2.5x, {_met(x_ddp)}), "
                     f"**{x_hook['value']:.2f}x** the better hook, {x_hook['note'].replace('best hook: ', '')} (target 1.3x, {_met(x_hook)}), "
                     f"**{of_compute['value']:.0%}** of compute-only (target 80%, {_met(of_compute)}{lock})")
@@ -592,6 +605,14 @@ def report_section(marker: str = "e2e", path: Path = REPORT) -> str | None:
 
 
 # =========================================================================== plots
+#: one fixed colour per scheme in every plot
+COLORS = {
+    "compute_only": "black", "compute_sync": "dimgray", "ddp": "tab:red", "ddp_fp16": "tab:pink",
+    "ddp_powersgd": "tab:orange", "ssfusion": "tab:blue", "ssfusion_dense": "lightskyblue", "safusion": "tab:green",
+    "adtopk": "tab:olive", "zen": "tab:purple", "oktopk": "tab:brown", "layerwise": "tab:gray", "behind": "tab:cyan",
+}
+
+
 def plot(summary: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
     import matplotlib
 
@@ -605,8 +626,7 @@ def plot(summary: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
     unshaped_x = (max(shaped) * 4) if shaped else 1000.0
     xpos = lambda mbit: unshaped_x if mbit == math.inf else mbit  # noqa: E731
     fig, axes = plt.subplots(len(worlds), len(workloads), figsize=(6.5 * len(workloads), 4.2 * len(worlds)), squeeze=False)
-    styles = {"compute_only": dict(color="black", linestyle="--", linewidth=2), "ddp": dict(color="tab:red", linewidth=2),
-              "ssfusion": dict(color="tab:blue", linewidth=2.5)}
+    styles = {"compute_only": dict(linestyle="--", linewidth=2), "ddp": dict(linewidth=2), "ssfusion": dict(linewidth=3)}
     for i, world in enumerate(worlds):
         for j, workload in enumerate(workloads):
             ax = axes[i][j]
@@ -616,7 +636,7 @@ def plot(summary: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
                 if not rows or scheme == "compute_sync":
                     continue
                 ax.plot([xpos(r["rate_mbit"]) for r in rows], [r["samples_per_s"] for r in rows], marker="o",
-                        markersize=4, label=scheme, **styles.get(scheme, {"linewidth": 1.2}))
+                        markersize=4, label=scheme, color=COLORS.get(scheme), **styles.get(scheme, {"linewidth": 1.2}))
             ax.set_xscale("log")
             ax.minorticks_off()
             ticks = shaped + [unshaped_x]
@@ -688,8 +708,8 @@ def plot_loss(steps: list[dict[str, str]], runs: list[dict[str, str]], out: Path
             points.sort()
             ys = [y for _, y in points]
             smooth = [statistics.mean(ys[max(0, i - 4): i + 1]) for i in range(len(ys))]
-            style = {"ddp": dict(color="tab:red", linewidth=2.5), "ssfusion": dict(color="tab:blue", linewidth=2.5)}
-            ax.plot([x for x, _ in points], smooth, label=key[3], **style.get(key[3], {"linewidth": 1.2}))
+            width = 2.5 if key[3] in ("ddp", "ssfusion") else 1.2
+            ax.plot([x for x, _ in points], smooth, label=key[3], color=COLORS.get(key[3]), linewidth=width)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (rank 0, mean of 5 steps)")
         world = next(k[0] for k in curves if k[2] == workload)

@@ -21,7 +21,9 @@ class DGCSparsifier(ThresholdSparsifier):
     2. Threshold = the ceil(k/n * sample)-th largest sampled magnitude (the budget's own density,
        so a fusion policy's per-tensor k is honoured; never the sample size as k).
     3. Select ``|x| >= threshold``. If the count is outside [0.8k, 1.25k], adjust the threshold
-       (x0.5 down / x1.5 up until bracketed, then bisection) at most ``max_adjust`` times.
+       at most ``max_adjust`` times (``selection.search_threshold``: x0.5 down / x1.5 up until
+       the band is bracketed, then interpolation inside the bracket); raising it is counted
+       inside the already-selected set, only lowering it costs another pass.
     4. Trim to at most k by exact top-k among the selected elements.
 
     Count band: (0.8, 1.0) x k -- never more than k; fewer than 0.8k only when ``max_adjust``

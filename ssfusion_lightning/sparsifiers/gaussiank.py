@@ -23,9 +23,11 @@ class GaussianKSparsifier(ThresholdSparsifier):
     ``|x| >= |mean| + |Phi^-1(rho/2)| * std`` with rho = k / n.
 
     If the count leaves [2k/3, 4k/3] the threshold is multiplied by 0.5 (too few) or 1.5 (too
-    many); once a too-low and a too-high threshold are known it bisects between them instead,
-    so heavy-tailed inputs converge instead of oscillating. At most ``max_adjust`` rounds;
-    raising rounds are counted inside the already-selected set (no extra pass).
+    many); once a too-low and a too-high threshold are known it interpolates between them
+    instead (``selection.search_threshold``), so heavy-tailed inputs converge instead of
+    oscillating between x0.5 and x1.5, and a fit thrown off by one outlier (a huge std) takes
+    larger extrapolated steps down. At most ``max_adjust`` rounds; raising rounds are counted
+    inside the already-selected set (no extra pass).
 
     Count band: (2/3, 4/3) x k. A count above 4k/3 after the rounds is trimmed to k by exact
     top-k among the selected; below 2k/3 only when the rounds are spent (ties, degenerate

@@ -82,7 +82,7 @@ class SIDCoSparsifier(ThresholdSparsifier):
     method of moments) and ``gamma`` (method of moments, numerical quantile).
 
     A fit is only as good as the model, so the count is then corrected like gaussiank's (x0.5 /
-    x1.5 steps, then bisection, at most ``max_adjust`` rounds, 0 disables). Count band:
+    x1.5 steps, then interpolation, at most ``max_adjust`` rounds, 0 disables). Count band:
     (2/3, 4/3) x k; above 4k/3 after the rounds is trimmed to k by exact top-k among the selected;
     below 2k/3 only when the rounds are spent; always at least one element.
     """
