@@ -32,6 +32,12 @@ def _stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
 
 
+def keep_all(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """The whole (flat) tensor as a selection: what every sparsifier returns when k >= numel."""
+    indices = torch.arange(flat.numel(), device=flat.device)
+    return flat.index_select(0, indices), indices
+
+
 def validate_density(density: float) -> float:
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not (0.0 < float(density) <= 1.0):
         raise ValueError(f"density must be a number with 0 < density <= 1, got {density!r}")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier
+from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, keep_all
 from ssfusion_lightning.sparsifiers.selection import Candidates, mean_std, search_threshold
 
 
@@ -48,8 +48,7 @@ class GaussianKSparsifier(ThresholdSparsifier):
         n = flat.numel()
         k = self.resolve_k(n, k)
         if k >= n:
-            indices = torch.arange(n, device=flat.device)
-            return flat.index_select(0, indices), indices
+            return keep_all(flat)
         mean, std = mean_std(flat)
         threshold = abs(mean) + two_sided_z(k / n) * std
         candidates = Candidates(flat)

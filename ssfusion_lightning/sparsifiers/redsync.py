@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, stable_hash
+from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, keep_all, stable_hash
 from ssfusion_lightning.sparsifiers.selection import Candidates, abs_mean_max, kth_largest, sample_magnitudes
 
 SAMPLE = 1 << 16
@@ -74,8 +74,7 @@ class RedSyncSparsifier(ThresholdSparsifier):
         n = flat.numel()
         k = self.resolve_k(n, k)
         if k >= n:
-            indices = torch.arange(n, device=flat.device)
-            return flat.index_select(0, indices), indices
+            return keep_all(flat)
         mean, top = abs_mean_max(flat)
         candidates = Candidates(flat)
         count = candidates.count

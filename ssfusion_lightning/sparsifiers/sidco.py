@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, stable_hash
+from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, keep_all, stable_hash
 from ssfusion_lightning.sparsifiers.selection import Candidates, as_float, sample_magnitudes, search_threshold
 
 DISTRIBUTIONS = ("exponential", "gpareto", "gamma")
@@ -146,8 +146,7 @@ class SIDCoSparsifier(ThresholdSparsifier):
         n = flat.numel()
         k = self.resolve_k(n, k)
         if k >= n:
-            indices = torch.arange(n, device=flat.device)
-            return flat.index_select(0, indices), indices
+            return keep_all(flat)
         candidates = Candidates(flat)
         threshold = self.fit_threshold(flat, k / n, key)
         threshold, _ = search_threshold(candidates, threshold, 2 * k / 3, 4 * k / 3, self.max_adjust)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier
+from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, keep_all
 from ssfusion_lightning.sparsifiers.selection import Candidates, topk_indices, trim_to_k
 
 
@@ -57,8 +57,7 @@ class ThresholdReuseSparsifier(ThresholdSparsifier):
         n = flat.numel()
         k = self.resolve_k(n, k)
         if k >= n:
-            indices = torch.arange(n, device=flat.device)
-            return flat.index_select(0, indices), indices
+            return keep_all(flat)
         stored = self.thresholds.get(key)
         if stored is None or stored[1] != k or self.step - stored[2] >= self.tau or self.step < stored[2]:
             return self._exact(flat, key, k, topk_indices(flat, k))
