@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, keep_all, stable_hash
