@@ -68,6 +68,7 @@ SUMMARY_FIELDS = [
     "bytes_per_step", "dense_bytes_per_step", "x_ddp", "x_best_hook", "of_compute", "val_acc", "val_loss",
     "train_loss_end",
 ]
+CURVE_FIELDS = ["world", "rate", "workload", "scheme", "rep", "step", "val_loss", "val_acc"]
 TARGET_FIELDS = ["world", "workload", "check", "rate", "value", "target", "met", "note"]
 
 
@@ -111,12 +112,22 @@ def build_phases(world: int, args: argparse.Namespace, accuracy_world: int) -> l
                     # PowerSGD from step 2): the same number of measured steps, fewer slow steps
                     warmup = min(args.warmup, DDP_WARMUP) if scheme in DDP_SCHEMES else args.warmup
                     steps = args.acc_steps if long else args.steps - (args.warmup - warmup)
-                    runs.append({
+                    run = {
                         "workload": workload, "scheme": scheme, "rep": rep, "seed": args.seed,
                         "steps": steps, "warmup": warmup, "eval": long,
-                    })
+                    }
+                    if long:
+                        run["eval_at"] = eval_points(args.acc_steps, args.eval_every)
+                    if scheme in ENGINE_SCHEMES and args.engine_options:
+                        run["overrides"] = args.engine_options
+                    runs.append(run)
         phases.append({"label": rate, "runs": runs})
     return phases
+
+
+def eval_points(steps: int, every: int) -> list[int]:
+    """Steps after which the accuracy runs evaluate: every ``every`` steps and the last one."""
+    return sorted({*range(every, steps, every), steps}) if every > 0 else [steps]
 
 
 def run_world(world: int, phases: list[dict[str, Any]], args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
@@ -218,6 +229,16 @@ def raw_rows(runs: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
                 "train_loss": _fmt(losses[step]) if step < len(losses) else "",
             })
     return steps, rows
+
+
+def curve_rows(runs: Iterable[dict[str, Any]]) -> list[dict]:
+    """Validation loss / accuracy at each evaluation point of the accuracy runs."""
+    return [
+        {"world": run["world"], "rate": run["phase"], "workload": run["workload"], "scheme": run["scheme"],
+         "rep": run["rep"], "step": point["step"], "val_loss": _fmt(point["val_loss"]), "val_acc": _fmt(point["val_acc"])}
+        for run in runs
+        for point in run.get("eval_curve") or []
+    ]
 
 
 def _fmt(value: Any) -> str:
@@ -723,6 +744,42 @@ def plot_loss(steps: list[dict[str, str]], runs: list[dict[str, str]], out: Path
     return path
 
 
+def plot_accuracy(curve: list[dict[str, str]], out: Path, stem: str) -> Path | None:
+    """Validation accuracy of the accuracy runs against the step (rank 0's model, fixed split)."""
+    if not curve:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
+    for row in curve:
+        series[(row["world"], row["workload"], row["scheme"])].append((int(row["step"]), float(row["val_acc"])))
+    workloads = sorted({k[1] for k in series}, key=_workload_order)
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.2), squeeze=False)
+    for j, workload in enumerate(workloads):
+        ax = axes[0][j]
+        for key, points in sorted(series.items(), key=lambda kv: SCHEMES.index(kv[0][2]) if kv[0][2] in SCHEMES else 99):
+            if key[1] != workload:
+                continue
+            points.sort()
+            width = 2.5 if key[2] in ("ddp", "ssfusion") else 1.2
+            ax.plot([x for x, _ in points], [100 * y for _, y in points], marker="o", markersize=3, label=key[2],
+                    color=COLORS.get(key[2]), linewidth=width)
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation accuracy, % (top-1 / next token)")
+        world = next(k[0] for k in series if k[1] == workload)
+        ax.set_title(f"{workload}, P = {world}")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / f"{stem}_accuracy.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # =========================================================================== main
 def analyze(out: Path, stem: str, update: bool) -> tuple[list[dict], list[dict]]:
     steps = read_csv(out / f"{stem}_steps.csv")
@@ -735,6 +792,8 @@ def analyze(out: Path, stem: str, update: bool) -> tuple[list[dict], list[dict]]
     (out / f"{stem}_targets.md").write_text(targets_markdown(target_rows) + "\n")
     plot(summary, out, stem)
     plot_loss(steps, runs, out, stem)
+    curve_path = out / f"{stem}_curve.csv"
+    plot_accuracy(read_csv(curve_path) if curve_path.exists() else [], out, stem)
     if update and update_report(report_block(summary, target_rows)):
         print(f"updated the e2e block of {REPORT}")
     if update and update_report(headline_block(summary, target_rows), marker="e2e-headline"):
@@ -754,12 +813,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="steps per throughput run")
     parser.add_argument("--warmup", type=int, default=None, help="first steps of a run left out of the medians")
     parser.add_argument("--acc-steps", type=int, default=None, help="steps of the accuracy runs (first phase, largest P)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="the accuracy runs also evaluate every this many steps (default 50; quick 5)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per scheme and phase, interleaved")
     parser.add_argument("--key-repeats", type=int, default=None,
                         help="runs of the target schemes on the slowest link, interleaved (default 2; quick 1)")
     parser.add_argument("--small-rates", nargs="+", default=None,
                         help="rates for world sizes below the largest (default: --rates)")
     parser.add_argument("--delay", default=None, help="one-way delay per node (e.g. 0.1ms); default none")
+    parser.add_argument("--engine-options", type=json.loads, default=None,
+                        help='SSFusionStrategy keyword arguments for every engine scheme, as JSON (e.g. \'{"buffer_mb": 1}\')')
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nice", type=int, default=-5,
                         help="niceness of the rank processes (default -5: ahead of other jobs on a shared host)")
@@ -791,6 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (8 if args.quick else 14)
     args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 6)
     args.acc_steps = args.acc_steps if args.acc_steps is not None else (10 if args.quick else 48)
+    args.eval_every = args.eval_every if args.eval_every is not None else (5 if args.quick else 50)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
 
@@ -815,10 +879,12 @@ def finish(runs: list[dict[str, Any]], out: Path, stem: str, args: argparse.Name
     steps, rows = raw_rows(runs)
     write_csv(out / f"{stem}_steps.csv", STEP_FIELDS, steps)
     write_csv(out / f"{stem}_runs.csv", RUN_FIELDS, rows)
+    write_csv(out / f"{stem}_curve.csv", CURVE_FIELDS, curve_rows(runs))
     meta = {"argv": sys.argv[1:] if argv is None else argv, "cpus": os.cpu_count(), "wall_seconds": time.monotonic() - started,
             "worlds": args.worlds, "rates": args.rates, "steps": args.steps, "warmup": args.warmup,
-            "acc_steps": args.acc_steps, "repeats": args.repeats, "key_repeats": args.key_repeats,
-            "small_rates": args.small_rates, "delay": args.delay, "nice": args.nice}
+            "acc_steps": args.acc_steps, "eval_every": args.eval_every, "repeats": args.repeats, "key_repeats": args.key_repeats,
+            "small_rates": args.small_rates, "delay": args.delay, "nice": args.nice,
+            "engine_options": args.engine_options}
     if write_meta:
         (out / f"{stem}_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     summary, target_rows = analyze(out, stem, update)

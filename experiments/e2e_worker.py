@@ -15,7 +15,8 @@ the scheme's strategy; rank 0 appends one JSON line per run to ``spec["out"]``:
 - ``hook_bytes``: per step the payload bytes of the ``torch.distributed.all_reduce`` calls made by
   a DDP comm hook (fp16, PowerSGD), counted by a wrapper, as ring bytes 2(P-1)/P * payload;
 - ``eval``: rank 0's loss / accuracy on the fixed validation split after the fit (same split,
-  same number of steps for every scheme).
+  same number of steps for every scheme); ``eval_curve``: the same after each step in
+  ``run["eval_at"]`` (every rank evaluates its own model then; that time is not in ``step_seconds``).
 
 Every rank runs one intra-op thread (``torch.set_num_threads(1)``): on the 2-core benchmark host
 4 ranks already oversubscribe the cores.
@@ -213,7 +214,15 @@ COUNTER = _AllreduceCounter()
 
 # --------------------------------------------------------------------------- per-step timing
 class StepRecorder(Callback):
-    def __init__(self) -> None:
+    """Per-step wall times, engine metrics and losses; evaluates every rank's model after the steps
+    in ``eval_at`` (every rank at once, so no rank waits for rank 0) and leaves that time out of
+    the step times."""
+
+    def __init__(self, eval_at: tuple[int, ...] = (), evaluate_fn=None) -> None:
+        self.eval_at = frozenset(eval_at)
+        self.evaluate_fn = evaluate_fn
+        self.curve: list[dict[str, float]] = []
+        self.eval_seconds: dict[int, float] = {}
         self.plan: dict[str, int] = {}
         self.starts: list[float] = []
         self.end: float | None = None
@@ -236,13 +245,18 @@ class StepRecorder(Callback):
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
             self.plan = plan_summary(engine)
+        step = len(self.starts)
+        if step in self.eval_at and self.evaluate_fn is not None:
+            started = time.perf_counter()
+            self.curve.append({"step": step, **self.evaluate_fn()})
+            self.eval_seconds[step - 1] = time.perf_counter() - started
 
 
     def step_seconds(self) -> list[float]:
         if not self.starts or self.end is None:
             return []
         marks = self.starts + [self.end]
-        return [b - a for a, b in zip(marks, marks[1:])]
+        return [b - a - self.eval_seconds.get(i, 0.0) for i, (a, b) in enumerate(zip(marks, marks[1:]))]
 
 
 def plan_summary(engine: Any) -> dict[str, int]:
@@ -298,7 +312,8 @@ def evaluate(spec: dict[str, Any], model: torch.nn.Module, datamodule) -> dict[s
 def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
     L.seed_everything(run.get("seed", 0), verbose=False)
     spec, model, task, datamodule = build_workload(run["workload"], quick, run.get("seed", 0))
-    recorder = StepRecorder()
+    eval_at = tuple(run.get("eval_at") or ())
+    recorder = StepRecorder(eval_at, lambda: evaluate(spec, model, datamodule))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -331,7 +346,9 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
         **recorder.plan,
     }
     if run.get("eval") and dist.get_rank() == 0:
-        result["eval"] = evaluate(spec, model, datamodule)
+        final = recorder.curve[-1] if recorder.curve else {}
+        result["eval"] = final if final.get("step") == run["steps"] else evaluate(spec, model, datamodule)
+        result["eval_curve"] = recorder.curve
     return result
 
 

@@ -14,7 +14,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-INDEX_BYTES = 8
+#: the allgather scheme sends positions as int32 (every fusion buffer has < 2**31 elements)
+INDEX_BYTES = 4
 
 
 @dataclass(frozen=True)

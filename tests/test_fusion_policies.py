@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
-from ssfusion_lightning.comm.schemes import INDEX_BYTES
 from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
 from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
 from ssfusion_lightning.fusion import FUSION_POLICIES
@@ -35,6 +34,8 @@ class Mixed(nn.Module):
     def forward(self, tokens):
         x = self.emb(tokens).mean(1)
         return self.head(torch.relu(self.fc2(self.norm(self.fc1(x))))) * self.scale
+
+WIRE_INDEX_BYTES = 4  # the allgather sends positions as int32
 
 
 def build_engine(model, fusion, comm, sparsifier="topk", density=0.1, groups=2, offload="none", buffer_bytes=1600):
@@ -193,7 +194,8 @@ def test_selective_is_volume_neutral_and_bytes_match_the_formulas(pool2):
             if dense is not None:
                 sent_bytes += ring_allreduce_bytes(dense.numel(), value_bytes, world)
             if values is not None:
-                sent_bytes += (world - 1) * values.numel() * (value_bytes + INDEX_BYTES) + (world - 1) * INDEX_BYTES
+                # topk's count is known from the plan: no count exchange; int32 positions
+                sent_bytes += (world - 1) * values.numel() * (value_bytes + WIRE_INDEX_BYTES)
         assert metrics.bytes_sent == sent_bytes
 
 

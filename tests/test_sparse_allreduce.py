@@ -71,11 +71,15 @@ def sparse_view(dense):
 
 
 # ----------------------------------------------------------------------------- byte formulas
+AG_X = 4  # the allgather sends positions as int32 (numel < 2**31)
+
+
 def allgather_bytes(inputs, rank, vbytes):
+    """One 8-byte count per peer, then each rank's pairs (padding and the count header not counted)."""
     world = len(inputs)
     counts = [v.numel() for v, _ in inputs]
     small = (world - 1) * 8
-    pair = vbytes + X
+    pair = vbytes + AG_X
     return small + (world - 1) * counts[rank] * pair, small + (sum(counts) - counts[rank]) * pair
 
 
@@ -442,3 +446,47 @@ def test_oktopk_residual_keeps_everything_not_applied(pools, world):
     again = restored.state_for("0:4000")
     assert again.rounds == 1 and again.threshold == results[0][5]["buffers"]["0:4000"]["threshold"]
     assert torch.equal(again.boundaries, results[0][5]["buffers"]["0:4000"]["boundaries"])
+
+
+# ----------------------------------------------------------------------------- allgather with a known bound
+def run_bounded_allgather(inputs, numel, max_count, equal_counts):
+    values, indices = inputs[dist.get_rank()]
+    traffic = Traffic()
+    total = SPARSE_SCHEMES.get("allgather")(values, indices, numel, None, traffic, equal_counts, max_count)
+    return sparse_view(total), traffic
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world=st.sampled_from([2, 3, 4]),
+    numel=st.integers(1, 50_000),
+    k=st.integers(1, 300),
+    slack=st.integers(0, 50),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_allgather_with_count_bound_skips_the_count_exchange(pools, world, numel, k, slack, seed):
+    """max_count bounds every rank's count: exact sums with no count round (no 8-byte messages),
+    payload bytes as without the bound, the wire padded to the bound plus one count header (the
+    positions padded to 8 bytes so the values stay aligned)."""
+    inputs = make_inputs(world, "random", numel, k, torch.int64, torch.float32, {world - 1}, seed)
+    bound = max(v.numel() for v, _ in inputs) + slack
+    expected_nz, expected_vals = sparse_view(dense_sum(inputs, numel).to(torch.float32))
+    counts = [v.numel() for v, _ in inputs]
+    for rank, ((nz, vals), traffic) in enumerate(pools[world].run(run_bounded_allgather, inputs, numel, bound, False)):
+        assert torch.equal(nz, expected_nz) and torch.equal(vals, expected_vals)
+        small = (world - 1) * 8
+        sent, received = allgather_bytes(inputs, rank, 4)
+        assert (traffic.sent, traffic.received) == (sent - small, received - small)
+        wire = (world - 1) * (math.ceil((bound + 1) * AG_X / 8) * 8 + bound * 4)
+        assert (traffic.padded_sent, traffic.padded_received) == (wire, wire)
+    assert counts[world - 1] == 0  # an empty rank still takes part
+
+
+def test_allgather_equal_counts_and_a_violated_bound(pools):
+    inputs = make_inputs(3, "random", 1000, 10, torch.int64, torch.float32, set(), 5)
+    expected = sparse_view(dense_sum(inputs, 1000).to(torch.float32))
+    for (nz, vals), traffic in pools[3].run(run_bounded_allgather, inputs, 1000, None, True):
+        assert torch.equal(nz, expected[0]) and torch.equal(vals, expected[1])
+        assert traffic.sent == 2 * 10 * (4 + AG_X)
+    with pytest.raises(Exception, match="exceed the announced bound max_count=9"):
+        pools[3].run(run_bounded_allgather, inputs, 1000, 9, False)

@@ -654,3 +654,22 @@ def test_threshold_reuse_state_holds_thresholds():
     fresh = build_sparsifier("threshold_reuse", density=0.01)
     fresh.load_state_dict({"step": 3})  # an older state without thresholds still loads
     assert fresh.step == 3 and fresh.thresholds == {}
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(sorted(SPARSIFIERS.names())), numel=st.integers(1, 30_000), seed=st.integers(0, 2**31 - 1))
+def test_count_bound_is_never_exceeded(name, numel, seed):
+    """count_bound lets the allgather skip its count round, so a selection above it would corrupt
+    the exchange: exact-k, DGC (trims to k) and ADTopk bound their count; the others do not."""
+    sparsifier = build_sparsifier(name, density=0.01)
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    k = sparsifier.k_for(numel)
+    bound = sparsifier.count_bound(tensor.shape, k)
+    if name in ("gaussiank", "redsync", "sidco", "threshold_reuse", "nonzero"):
+        assert bound is None
+        return
+    assert bound is not None
+    values, _ = sparsifier.select(tensor, key="t", k=k)
+    assert values.numel() <= bound
+    if name != "dgc":
+        assert values.numel() == bound

@@ -55,11 +55,15 @@ class SchemeCommunicator(Communicator):
 
     def submit_sparse(self, channel: Channel, encoded: Encoded, buffer: Buffer) -> Future:
         """Queue the sparse part's job; stateful schemes override it to pass their per-buffer key."""
-        return channel.submit(self._sparse_job, encoded.values, encoded.indices, buffer.sparse_numel, encoded.equal_counts)
+        return channel.submit(
+            self._sparse_job, encoded.values, encoded.indices, buffer.sparse_numel, encoded.equal_counts, encoded.max_count
+        )
 
-    def _sparse_job(self, values: Tensor, indices: Tensor, numel: int, equal_counts: bool, group) -> tuple[Tensor, Traffic, Any]:
+    def _sparse_job(
+        self, values: Tensor, indices: Tensor, numel: int, equal_counts: bool, max_count: int | None, group
+    ) -> tuple[Tensor, Traffic, Any]:
         traffic = Traffic()
-        total = SPARSE_SCHEMES.get(self.scheme)(values, indices, numel, group, traffic, equal_counts)
+        total = SPARSE_SCHEMES.get(self.scheme)(values, indices, numel, group, traffic, equal_counts, max_count)
         return total, traffic, None
 
 
@@ -70,7 +74,7 @@ class AllreduceCommunicator(SchemeCommunicator):
     name = "allreduce"
     split = False
 
-    def _sparse_job(self, values: Tensor, indices: Tensor, numel: int, equal_counts: bool, group):
+    def _sparse_job(self, values: Tensor, indices: Tensor, numel: int, equal_counts: bool, max_count: int | None, group):
         dense = torch.zeros(numel, dtype=values.dtype, device=values.device)
         dense[indices] = values
         total, traffic = allreduce_dense(dense, group)

@@ -104,8 +104,10 @@ def sparcml_sum(
     group: dist.ProcessGroup | None,
     traffic: Traffic,
     equal_counts: bool = False,
+    max_count: int | None = None,
 ) -> Tensor:
-    """Recursive-doubling sparse allreduce; returns the dense sum in values' dtype."""
+    """Recursive-doubling sparse allreduce; returns the dense sum in values' dtype. Counts travel
+    in each message's header, so neither ``equal_counts`` nor ``max_count`` saves a round."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
     dtype, acc, device = values.dtype, accumulation_dtype(values.dtype), values.device
     idx, val, summed = _coalesce(indices.to(torch.int64), values, acc)

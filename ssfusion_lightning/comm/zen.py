@@ -279,8 +279,10 @@ def zen_scheme(
     group: dist.ProcessGroup | None,
     traffic: Traffic,
     equal_counts: bool = False,
+    max_count: int | None = None,
 ) -> Tensor:
-    """ZEN balanced parallelism with the default seed (every rank uses the same one)."""
+    """ZEN balanced parallelism with the default seed (every rank uses the same one); its count
+    exchange is per destination partition, which a bound on the total does not replace."""
     return zen_sum(values, indices, numel, group, traffic, equal_counts, DEFAULT_SEED)
 
 

@@ -74,5 +74,6 @@ def to_device(encoded: Encoded, device: torch.device) -> Encoded:
         indices=move(encoded.indices),
         updates=encoded.updates,
         equal_counts=encoded.equal_counts,
+        max_count=encoded.max_count,
         shared_indices=encoded.shared_indices,
     )

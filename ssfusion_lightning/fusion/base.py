@@ -46,6 +46,8 @@ class Encoded:
     updates: list[PendingUpdate] = field(default_factory=list)
     #: every rank sends the same count (no size exchange needed)
     equal_counts: bool = False
+    #: no rank sends more elements than this (the plan's k, for sparsifiers that never exceed k)
+    max_count: int | None = None
     #: every rank selected the same positions (randomk): the values can be all-reduced
     shared_indices: bool = False
 
@@ -103,8 +105,15 @@ class FusionPolicy(ABC):
             indices=torch.cat(indices) if indices else None,
             updates=updates,
             equal_counts=self.aligned,
+            max_count=count_bound(buffer, ctx.sparsifier),
             shared_indices=ctx.sparsifier.shared_indices,
         )
+
+
+def count_bound(buffer: Buffer, sparsifier: Sparsifier) -> int | None:
+    """Most elements any rank can send for the buffer's sparse slots, if the sparsifier bounds it."""
+    bounds = [sparsifier.count_bound(torch.Size(slot.shape), slot.k) for slot in buffer.sparse_slots]
+    return None if any(b is None for b in bounds) else sum(bounds)
 
 
 def exact_count(values: Tensor, indices: Tensor, flat: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -38,7 +38,8 @@ class BehindPolicy(FusionPolicy):
         # Error feedback stays per tensor, so re-planned buffers never lose a residual.
         compensated = [ctx.memory.compensate(slot.name, grad) for slot, grad in zip(buffer.slots, grads)]
         fused = torch.cat([c.reshape(-1) for c in compensated])
-        values, indices = ctx.select(fused, f"buffer{buffer.index}", k_for(fused.numel(), ctx.sparsifier.density))
+        k = k_for(fused.numel(), ctx.sparsifier.density)
+        values, indices = ctx.select(fused, f"buffer{buffer.index}", k)
         updates = []
         for slot, tensor in zip(buffer.slots, compensated):
             mine = (indices >= slot.offset) & (indices < slot.offset + slot.numel)
@@ -48,5 +49,6 @@ class BehindPolicy(FusionPolicy):
             values=values * ctx.scale,
             indices=indices,
             updates=updates,
+            max_count=ctx.sparsifier.count_bound(fused.shape, k),
             shared_indices=ctx.sparsifier.shared_indices,
         )

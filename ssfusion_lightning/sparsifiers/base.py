@@ -91,6 +91,15 @@ class Sparsifier(ABC):
         """The exact number of elements ``select`` returns for this shape and k, or None if data-dependent."""
         return self.resolve_k(math.prod(shape), k) if self.exact_k else None
 
+    def count_bound(self, shape: torch.Size, k: int) -> int | None:
+        """The most elements ``select`` can return for this shape and k; None if only numel bounds it."""
+        exact = self.output_count(shape, k)
+        if exact is not None:
+            return exact
+        if self.count_band is not None and self.count_band[1] <= 1.0:
+            return self.resolve_k(math.prod(shape), k)
+        return None
+
     @abstractmethod
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
         """Return (values, int64 flat indices) of the selected elements."""
