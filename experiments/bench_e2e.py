@@ -88,8 +88,9 @@ def rate_label(rate: str) -> str:
 
 #: warm-up steps of the DDP variants (DDP rebuilds its buckets after step 0; PowerSGD starts at step 2)
 DDP_WARMUP = 3
-#: schemes of the target checks: run --key-repeats times (interleaved) on the slowest link
-KEY_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd", "ssfusion")
+#: schemes of the target checks: run --key-repeats times (interleaved) on the slowest link and,
+#: for the engine-overhead check (ssfusion_dense vs ddp), on the unshaped one
+KEY_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd", "ssfusion", "ssfusion_dense")
 
 
 def build_phases(world: int, args: argparse.Namespace, accuracy_world: int) -> list[dict[str, Any]]:
@@ -100,7 +101,8 @@ def build_phases(world: int, args: argparse.Namespace, accuracy_world: int) -> l
         accuracy = index == 0 and world == accuracy_world and args.acc_steps > 0
         runs = []
         for workload in args.workloads:
-            repeats = max(args.repeats, args.key_repeats if rate == slowest else 1)
+            keyed = rate == slowest or rate_mbit(rate) == math.inf
+            repeats = max(args.repeats, args.key_repeats if keyed else 1)
             for rep in range(repeats):
                 for scheme in args.schemes:
                     if rep >= args.repeats and scheme not in KEY_SCHEMES:
