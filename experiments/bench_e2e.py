@@ -562,6 +562,32 @@ def report_block(summary: list[dict[str, Any]], target_rows: list[dict[str, Any]
     return "\n".join(lines)
 
 
+def curve_markdown(curve: list[dict[str, str]]) -> str:
+    """Validation accuracy (%) of the accuracy runs at every evaluation point, and the first step
+    from which a scheme stays within 1 point of ddp."""
+    series: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    worlds = {}
+    for row in curve:
+        series[(row["workload"], row["scheme"])][int(row["step"])] = 100 * float(row["val_acc"])
+        worlds[row["workload"]] = row["world"]
+    lines = []
+    for workload in sorted({w for w, _ in series}, key=_workload_order):
+        schemes = sorted({s for w, s in series if w == workload}, key=lambda s: SCHEMES.index(s) if s in SCHEMES else 99)
+        points = sorted({step for s in schemes for step in series[(workload, s)]})
+        ddp = series.get((workload, "ddp"), {})
+        lines += [f"#### {workload}, P = {worlds[workload]}: validation accuracy (%) after each number of steps", "",
+                  "| scheme | " + " | ".join(str(p) for p in points) + " | within 1 point of ddp from step |",
+                  "|---|" + "---:|" * (len(points) + 1)]
+        for scheme in schemes:
+            accs = series[(workload, scheme)]
+            close = [p for p in points if p in accs and p in ddp and accs[p] >= ddp[p] - 1]
+            since = next((p for p in points if all(q in close for q in points if q >= p)), None)
+            cells = " | ".join(_cell(accs.get(p), "{:.1f}") for p in points)
+            lines.append(f"| {scheme} | {cells} | {since if since is not None else 'not within'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def headline_block(summary: list[dict[str, Any]], target_rows: list[dict[str, Any]]) -> str:
     """The key ratios in a few bullets (REPORT.md's first numbers), one per world size and workload."""
     find = {(t["world"], t["workload"], t["check"], t["rate"]): t for t in target_rows}
@@ -795,7 +821,10 @@ def analyze(out: Path, stem: str, update: bool) -> tuple[list[dict], list[dict]]
     plot(summary, out, stem)
     plot_loss(steps, runs, out, stem)
     curve_path = out / f"{stem}_curve.csv"
-    plot_accuracy(read_csv(curve_path) if curve_path.exists() else [], out, stem)
+    curve = read_csv(curve_path) if curve_path.exists() else []
+    plot_accuracy(curve, out, stem)
+    if update and curve and update_report(curve_markdown(curve), marker="e2e-curve"):
+        print(f"updated the e2e-curve block of {REPORT}")
     if update and update_report(report_block(summary, target_rows)):
         print(f"updated the e2e block of {REPORT}")
     if update and update_report(headline_block(summary, target_rows), marker="e2e-headline"):

@@ -5,13 +5,16 @@ the emulated-cluster measurements (experiments/bench_e2e.py) at the measured P.
     python -m experiments.simulate --gpu-json experiments/gpu/results/gpu_cuda.json   # + paper-size throughput
     python -m experiments.simulate --e2e DIR --out DIR --no-report  # other inputs / outputs
 
-Model (ALGORITHMS.md section 7), per rank and step, v = 4 value bytes, x = 8 index bytes:
+Model (ALGORITHMS.md section 7), per rank and step, v = 4 value bytes, x = 8 index bytes (x_ag = 4:
+the allgather sends int32 positions):
 
     dense ring (ddp)      2(P-1)/P * n * v                  2(P-1) alpha per bucket
     fp16 hook             2(P-1)/P * n * 2                  2(P-1) alpha per bucket
     PowerSGD hook         2(P-1)/P * c * v  (c = measured compressed payload, independent of P)  4(P-1) alpha per bucket
     engine dense part     2(P-1)/P * F * v  (F = elements the plan sends dense)
-    allgather / hybrid    (P-1) * k * (v+x)                 2(P-1) alpha per buffer (counts + payload)
+    allgather / hybrid    (P-1) * k * (v+x_ag)              (P-1) alpha per buffer (every benchmarked
+                                                            sparsifier bounds its count by the plan's k:
+                                                            no count round)
     zen                   (P-1)/P * [k(v+x) + K*v + N/8], K = N(1-(1-k/N)^P) (independent selections)   3(P-1) alpha
     oktopk                3(P-1)/P * k * (v+x) (the bound) 4(P-1) alpha
     sparcml               sum over log2 P rounds of N(1-(1-k/N)^(2^r)) * (v+x)   2 log2 P alpha
@@ -47,6 +50,7 @@ RESULTS = HERE / "results"
 REPORT = HERE / "REPORT.md"
 
 V, X = 4, 8
+X_AG = 4  # the allgather scheme's int32 positions
 DENSITY = 0.01
 GOODPUT = 0.95
 BUCKET_BYTES = 25 * 2**20
@@ -98,7 +102,7 @@ def scheme_bytes(scheme: str, w: Workload, world: int) -> float:
     k, n = w.sparse_k, max(1, w.sparse_elements)
     kind = SPARSE_KIND[scheme]
     if kind == "allgather":
-        return dense + (world - 1) * k * (V + X)
+        return dense + (world - 1) * k * (V + X_AG)
     if kind == "zen":
         union = n * (1 - (1 - min(1.0, k / n)) ** world)
         return dense + (world - 1) / world * (k * (V + X) + union * V + n / 8)
@@ -121,7 +125,7 @@ def scheme_rounds(scheme: str, w: Workload, world: int) -> float:
         return 4 * (world - 1) * buffers
     dense = 2 * (world - 1) * buffers if w.dense_elements else 0
     kind = SPARSE_KIND[scheme]
-    per_buffer = {"allgather": 2 * (world - 1), "zen": 3 * (world - 1), "oktopk": 4 * (world - 1),
+    per_buffer = {"allgather": world - 1, "zen": 3 * (world - 1), "oktopk": 4 * (world - 1),
                   "sparcml": 2 * max(1, math.ceil(math.log2(world)))}[kind]
     return dense + per_buffer * buffers
 

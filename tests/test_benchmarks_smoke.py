@@ -195,6 +195,9 @@ def test_report_e2e_numbers_come_from_the_committed_csvs():
     targets = bench_e2e.targets(summary)
     assert bench_e2e.report_section("e2e") == bench_e2e.report_block(summary, targets).strip()
     assert bench_e2e.report_section("e2e-headline") == bench_e2e.headline_block(summary, targets).strip()
+    if (RESULTS / "e2e_curve.csv").exists():
+        curve = bench_e2e.read_csv(RESULTS / "e2e_curve.csv")
+        assert bench_e2e.report_section("e2e-curve") == bench_e2e.curve_markdown(curve).strip()
     # and the committed summary CSV is the one these raw rows give
     with (RESULTS / "e2e.csv").open() as f:
         committed = list(csv.DictReader(f))
