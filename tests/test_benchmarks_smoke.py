@@ -39,8 +39,8 @@ def _synthetic_e2e(tmp: Path) -> None:
             compute = 0.1 * world / 2
             for scheme, sent, compress in (("compute_only", 0, None), ("ddp", dense, None),
                                            ("ddp_powersgd", 2 * (world - 1) / world * 40_000, None),
-                                           ("ssfusion", (world - 1) * 10_000 * 12, 0.01), ("zen", 150_000, 0.01),
-                                           ("oktopk", 200_000, 0.01), ("safusion", (world - 1) * 10_000 * 12, 0.01)):
+                                           ("ssfusion", (world - 1) * 10_000 * 8, 0.01), ("zen", 150_000, 0.01),
+                                           ("oktopk", 200_000, 0.01), ("safusion", (world - 1) * 10_000 * 8, 0.01)):
                 exposed = 0.0 if scheme == "compute_only" else sent / bw + 0.002
                 step = compute + exposed + (compress or 0) + 0.005
                 summary.append({
@@ -88,7 +88,7 @@ def test_byte_formulas_follow_algorithms_section_7():
     w = simulate.Workload("toy", n, 0, n, k, 1)
     for world in (2, 4, 16, 1024):
         assert simulate.scheme_bytes("ddp", w, world) == pytest.approx(2 * (world - 1) / world * n * 4)
-        assert simulate.scheme_bytes("safusion", w, world) == pytest.approx((world - 1) * k * 12)
+        assert simulate.scheme_bytes("safusion", w, world) == pytest.approx((world - 1) * k * 8)
         union = n * (1 - (1 - k / n) ** world)
         assert simulate.scheme_bytes("zen", w, world) == pytest.approx((world - 1) / world * (k * 12 + union * 4 + n / 8))
         assert simulate.scheme_bytes("oktopk", w, world) <= 3 * (world - 1) / world * k * 12 + 1e-6
