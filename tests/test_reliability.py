@@ -10,14 +10,18 @@ import time
 import lightning as L
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import ssfusion_lightning as ssf
+from ssfusion_lightning.engine.engine import all_finite
 from ssfusion_lightning.engine.errors import NonFiniteGradientError
 from tests.workloads import Regressor, make_trainer, regression_data
 
 SPARSE = dict(sparsifier="topk", density=0.05, fusion="ahead", comm="hybrid", offload="none")
+DENSE = dict(sparsifier="none", offload="none")
 
 
 class NaNOnRankOne(Regressor):
@@ -41,11 +45,11 @@ class EngineProbe(L.Callback):
         self.state = trainer.strategy.engine.state_dict()
 
 
-def nonfinite_run(policy: str):
+def nonfinite_run(policy: str, options: dict = SPARSE):
     L.seed_everything(0, verbose=False)
     model = NaNOnRankOne()
     probe = EngineProbe()
-    trainer = make_trainer(ssf.SSFusionStrategy(nonfinite=policy, **SPARSE), 6, callbacks=[probe])
+    trainer = make_trainer(ssf.SSFusionStrategy(nonfinite=policy, **options), 6, callbacks=[probe])
     try:
         trainer.fit(model, DataLoader(regression_data(), batch_size=16))
     except NonFiniteGradientError as error:
@@ -62,8 +66,16 @@ def test_nan_on_one_rank_raises_on_every_rank(pool2):
         assert "step 2 on rank(s) [1]" in message
 
 
-def test_nan_on_one_rank_is_skipped_by_every_rank(pool2):
-    results = pool2.run(nonfinite_run, "skip")
+def test_nan_in_a_dense_only_step_raises_on_every_rank_without_a_vote(pool2):
+    messages = [message for outcome, message in pool2.run(nonfinite_run, "raise", DENSE) if outcome == "raised"]
+    assert len(messages) == 2, "a rank went on training past the NaN"
+    assert all("step 2 in the all-reduced dense gradients" in m for m in messages), messages
+    assert "this rank's own were finite" in messages[0] and "this rank's own were non-finite" in messages[1]
+
+
+@pytest.mark.parametrize("options", [SPARSE, DENSE], ids=["sparse", "dense"])
+def test_nan_on_one_rank_is_skipped_by_every_rank(pool2, options):
+    results = pool2.run(nonfinite_run, "skip", options)
     (o0, (p0, finite0, skipped0, step0)), (o1, (p1, finite1, skipped1, step1)) = results
     assert o0 == o1 == "finished"
     assert finite0 and finite1, "a NaN reached the parameters or a residual"
@@ -133,3 +145,19 @@ def test_a_rank_that_dies_fails_the_survivor_with_the_step_named(tmp_path):
     assert job.returncode != 0
     assert "ssfusion: step 3" in job.stderr, job.stderr[-3000:]
     assert elapsed < 200
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=0, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+    poison=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 39), st.sampled_from([float("nan"), float("inf"), -float("inf")])), max_size=3),
+    scale=st.sampled_from([1.0, 1e30]),
+)
+def test_all_finite_agrees_with_isfinite(sizes, dtype, poison, scale):
+    tensors = [(torch.randn(n, dtype=torch.float64) * scale).to(dtype) for n in sizes]
+    for which, position, value in poison:
+        if which < len(tensors) and position < tensors[which].numel():
+            tensors[which][position] = value
+    expected = all(bool(torch.isfinite(t).all()) for t in tensors)
+    assert bool(all_finite(tensors)) == expected

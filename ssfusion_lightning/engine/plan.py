@@ -91,6 +91,10 @@ class Plan:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @cached_property
+    def sparse_numel(self) -> int:
+        return sum(b.sparse_numel for b in self.buffers)
+
+    @cached_property
     def buffer_of(self) -> dict[int, int]:
         """Parameter position -> index of the buffer that holds it."""
         return {slot.param: buffer.index for buffer in self.buffers for slot in buffer.slots}
