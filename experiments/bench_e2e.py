@@ -884,8 +884,8 @@ def main(argv: list[str] | None = None) -> int:
     args.key_repeats = args.key_repeats if args.key_repeats is not None else (1 if args.quick else 2)
     args.steps = args.steps or (8 if args.quick else 14)
     args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 6)
-    args.acc_steps = args.acc_steps if args.acc_steps is not None else (10 if args.quick else 48)
-    args.eval_every = args.eval_every if args.eval_every is not None else (5 if args.quick else 50)
+    args.acc_steps = args.acc_steps if args.acc_steps is not None else (10 if args.quick else 240)
+    args.eval_every = args.eval_every if args.eval_every is not None else (5 if args.quick else 40)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
 
