@@ -843,9 +843,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
     parser.add_argument("--steps", type=int, default=None, help="steps per throughput run")
     parser.add_argument("--warmup", type=int, default=None, help="first steps of a run left out of the medians")
-    parser.add_argument("--acc-steps", type=int, default=None, help="steps of the accuracy runs (first phase, largest P)")
+    parser.add_argument("--acc-steps", type=int, default=None, help="steps of the accuracy runs (first phase, largest P; default 240, quick 10)")
     parser.add_argument("--eval-every", type=int, default=None,
-                        help="the accuracy runs also evaluate every this many steps (default 50; quick 5)")
+                        help="the accuracy runs also evaluate every this many steps (default 40; quick 5)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per scheme and phase, interleaved")
     parser.add_argument("--key-repeats", type=int, default=None,
                         help="runs of the target schemes on the slowest link, interleaved (default 2; quick 1)")

@@ -137,10 +137,8 @@ def drive(args: argparse.Namespace) -> int:
     soak_dir = os.path.join(args.out, "killed")
     for directory in (reference_dir, soak_dir):
         os.makedirs(directory, exist_ok=True)
-    started = time.monotonic()
     if launch(reference_dir, args.steps, args.every, None).wait() != 0:
         raise SystemExit(f"the uninterrupted run failed: see {reference_dir}/job.log")
-    reference_seconds = time.monotonic() - started
 
     kills: list[tuple[float, int]] = []
     resume = None

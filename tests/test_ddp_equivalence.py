@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import ssfusion_lightning as ssf
+from ssfusion_lightning.comm import COMMUNICATORS
+from ssfusion_lightning.fusion import FUSION_POLICIES
 from tests.workloads import fit_and_get_params
 
 
@@ -44,3 +46,23 @@ def test_dense_engine_equals_ddp_on_2_ranks(pool2, kind, ddp_name, trainer_kwarg
 
 def test_dense_engine_equals_ddp_on_4_ranks(pool4):
     assert_bitwise_equal(pool4.run(run_pair, "plain", "ddp", DENSE))
+
+
+def every_policy_and_communicator_at_full_density():
+    """Top-k at density 1 keeps every element: each fusion policy x communicator must then add up
+    exactly what DDP adds up (two ranks: a + b has one rounding whatever the order)."""
+    reference = fit_and_get_params("ddp")
+    differing = {}
+    for fusion in FUSION_POLICIES.names():
+        for comm in COMMUNICATORS.names():
+            strategy = ssf.SSFusionStrategy(sparsifier="topk", density=1.0, fusion=fusion, comm=comm, offload="none")
+            ours = fit_and_get_params(strategy)
+            worst = max((reference[n] - ours[n]).abs().max().item() for n in reference)
+            if worst != 0.0:
+                differing[f"{fusion}+{comm}"] = worst
+    return differing
+
+
+def test_full_density_topk_equals_ddp_for_every_policy_and_communicator(pool2):
+    for rank, differing in enumerate(pool2.run(every_policy_and_communicator_at_full_density)):
+        assert not differing, f"rank {rank}: max |difference| from DDP per combination: {differing}"

@@ -13,7 +13,7 @@ from ssfusion_lightning.comm.collectives import AllgatherCommunicator
 from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
-from tests.workloads import Regressor, fit_and_get_params, make_trainer, regression_data
+from tests.workloads import Regressor, make_trainer, regression_data
 
 
 class RecordingAllgather(AllgatherCommunicator):

@@ -93,7 +93,6 @@ def policies_against_reference(world_fusions, comms, sparsifier="topk"):
             model = Mixed().double()
             engine = build_engine(model, fusion, comm, sparsifier=sparsifier)
             records, written, metrics = run_rounds(engine, model, rounds=4, seed=1)
-            params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             out[(fusion, comm)] = (records, written, engine.plan.fingerprint(), metrics)
     return out
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
-import time
 
 from .core import ClusterError, EmulatedCluster, Unsupported, cleanup_leftovers, default_log_dir, probe_support
 

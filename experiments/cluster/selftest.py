@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 from .core import EmulatedCluster
 from .units import format_rate, parse_fraction, parse_rate, parse_time

@@ -93,10 +93,12 @@ class RedSyncSparsifier(ThresholdSparsifier):
             candidates.prepare(prepared)
             enough = candidates.count(prepared) > 2 * k
 
-            def count(threshold: float) -> int:
+            def bounded_count(threshold: float) -> int:
                 if threshold < prepared and enough:
                     return candidates.count(prepared)  # > 2k: all the search compares with
                 return candidates.count(threshold)
+
+            count = bounded_count
 
         r, _ = self._search(count, mean, top, k)
         return self.finish(flat, candidates.select(max(mean + r * (top - mean), 0.0)), k, 2 * k)
