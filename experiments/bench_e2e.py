@@ -709,6 +709,9 @@ def plot(summary: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
     for j, workload in enumerate(workloads):
         ax = axes[0][j]
         rate, _ = headline_rate(summary, world, workload)
+        if rate is None:  # no link made DDP communication-bound (e.g. an unshaped-only run): the slowest one
+            rate = min((r for r in summary if (r["world"], r["workload"]) == (world, workload)),
+                       key=lambda r: r["rate_mbit"])["rate"]
         rows = [r for r in summary if (r["world"], r["rate"], r["workload"]) == (world, rate, workload)
                 and r["scheme"] not in ("compute_sync",)]
         names = [r["scheme"] for r in rows]
@@ -719,6 +722,7 @@ def plot(summary: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
             ax.bar(names, heights, bottom=bottom, label=label, color=color)
             bottom = [b + h for b, h in zip(bottom, heights)]
         ax.plot(names, [r["step_s"] * 1e3 for r in rows], "k_", markersize=18, label="measured step")
+        ax.set_ylim(0, 1.08 * max([*bottom, *(r["step_s"] * 1e3 for r in rows)], default=1.0))
         ax.set_ylabel("ms per step")
         ax.set_title(f"{workload}, P = {world}, link {rate_label(rate) if rate else '?'}")
         ax.tick_params(axis="x", rotation=60)
