@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +196,29 @@ def test_communicator_options_reach_the_strategy():
     assert strategy.comm_name == "zen"
     assert strategy.comm_options["profile_rounds"] == 9
     assert strategy.comm_options["choice"] == "auto"
+
+
+def test_reliability_and_memory_options_reach_the_strategy():
+    cfg = compose("strategy=ssfusion", "strategy.nonfinite=skip", "strategy.timeout=90", "strategy.memory=dgc",
+                  "+strategy.memory_options.momentum=0.5")
+    strategy = build_strategy(cfg)
+    assert strategy.nonfinite == "skip"
+    assert strategy._timeout.total_seconds() == 90
+    assert (strategy.memory_name, strategy.memory_options) == ("dgc", {"momentum": 0.5})
+    assert build_strategy(compose("strategy=ssfusion"))._timeout == ssf.SSFusionStrategy()._timeout  # null: torch's default
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("+strategy.nonfinte=skip", "unknown strategy option(s) nonfinte; valid choices: name, kind, start_method, density"),
+        ("strategy.timeout=0", "strategy.timeout must be a number of seconds > 0 or null, got 0"),
+        ("strategy.nonfinite=ignore", "unknown nonfinite policy 'ignore'; valid choices: raise, skip"),
+    ],
+)
+def test_bad_strategy_options_are_named(override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_strategy(compose("strategy=ssfusion", override))
 
 
 def test_dense_baseline_is_lightnings_ddp():

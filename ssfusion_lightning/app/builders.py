@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from datetime import timedelta
 from typing import Any, Mapping
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule
@@ -24,7 +25,12 @@ SSFUSION_OPTIONS = (
     "warmup_steps",
     "find_unused_parameters",
     "broadcast_buffers",
+    "nonfinite",
+    "timeout",
+    "memory_options",
 )
+#: keys of the strategy group that are not SSFusionStrategy arguments
+STRATEGY_KEYS = ("name", "kind", "start_method")
 
 
 def plain(node: Any) -> Any:
@@ -197,7 +203,18 @@ def build_strategy(cfg: DictConfig | Mapping[str, Any], multirun: bool = False) 
         return f"{name}_find_unused_parameters_true" if unused else name
     if kind != "ssfusion":
         raise ValueError(f"unknown strategy.kind {kind!r}; valid choices: {', '.join(STRATEGY_KINDS)}")
+    unknown = sorted(set(options) - set(SSFUSION_OPTIONS) - set(STRATEGY_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown strategy option(s) {', '.join(unknown)}; valid choices: {', '.join(STRATEGY_KEYS + SSFUSION_OPTIONS)}"
+        )
     kwargs = {key: options[key] for key in SSFUSION_OPTIONS if key in options}
+    if "timeout" in kwargs:  # seconds in the config (null: torch's default), a timedelta for the strategy
+        seconds = kwargs.pop("timeout")
+        if seconds is not None:
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+                raise ValueError(f"strategy.timeout must be a number of seconds > 0 or null, got {seconds!r}")
+            kwargs["timeout"] = timedelta(seconds=seconds)
     density = kwargs.get("density", 0.01)
     return SSFusionStrategy(
         sparsifier=build_sparsifier_spec(cfg["sparsifier"], density),
