@@ -288,7 +288,7 @@ class FusionEngine:
         ready_order = self._agree_on_ready_order() if self._rebuild_from_ready_order else None
         started = time.perf_counter()
         results = [(buffer, self._wait(buffer, pending), encoded) for buffer, pending, encoded in launched]
-        unhealthy = [rank for rank, flag in enumerate(self._settle(health, "non-finite check").tolist()) if flag] if health else []
+        unhealthy = [rank for rank, flag in enumerate(self._settle(health, "non-finite check").tolist()) if flag] if health is not None else []
         globally_used = self._settle(usage, "unused-parameter agreement").tolist() if usage is not None else None
         self.metrics.exposed_comm_seconds += time.perf_counter() - started
         if unhealthy:
