@@ -724,7 +724,7 @@ def plot(summary: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
         ax.plot(names, [r["step_s"] * 1e3 for r in rows], "k_", markersize=18, label="measured step")
         ax.set_ylim(0, 1.08 * max([*bottom, *(r["step_s"] * 1e3 for r in rows)], default=1.0))
         ax.set_ylabel("ms per step")
-        ax.set_title(f"{workload}, P = {world}, link {rate_label(rate) if rate else '?'}")
+        ax.set_title(f"{workload}, P = {world}, link {rate_label(rate)}")
         ax.tick_params(axis="x", rotation=60)
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8)

@@ -10,9 +10,9 @@ import time
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import ssfusion_lightning as ssf

@@ -490,10 +490,10 @@ def _broadcast_from_rank0(tensor: Tensor, group: dist.ProcessGroup | None) -> Te
 def all_finite(tensors: list[Tensor]) -> Tensor:
     """A 0-d bool tensor (no host sync): min and max propagate NaN and +-Inf, and one aminmax pass
     costs a tenth of ``isfinite(t).all()`` on CPU."""
-    bounds = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
+    bounds = [bound for t in tensors if t.numel() for bound in torch.aminmax(t)]
     if not bounds:
         return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
-    return torch.isfinite(torch.cat(bounds)).all()
+    return torch.isfinite(torch.stack(bounds)).all()
 
 
 def _allreduce_max(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
