@@ -57,6 +57,9 @@ class SSFusionStrategy(DDPStrategy):
         fusion: buffer/selection policy (see ``available_fusion_policies()``).
         comm: collective (see ``available_communicators()``).
         buffer_mb: cap of a fusion buffer in MiB.
+        first_buffer_mb: cap in MiB of the buffer that closes first in backward order (default:
+            ``buffer_mb``). A small first buffer (DDP uses 1 MiB) starts communication while the
+            rest of the backward runs; with one big buffer nothing overlaps.
         process_groups: number of strategy-owned process groups buffers rotate over (>= 1).
         offload: where sparsification runs: "none" | "thread" | "stream" | "auto".
         warmup_steps: dense steps before sparsification starts.
@@ -81,6 +84,7 @@ class SSFusionStrategy(DDPStrategy):
         fusion: str = "selective",
         comm: str = "hybrid",
         buffer_mb: float = 25.0,
+        first_buffer_mb: Optional[float] = None,
         process_groups: int = 2,
         offload: str = "auto",
         warmup_steps: int = 0,
@@ -127,6 +131,11 @@ class SSFusionStrategy(DDPStrategy):
         if isinstance(buffer_mb, bool) or not isinstance(buffer_mb, (int, float)) or buffer_mb <= 0:
             raise ValueError(f"buffer_mb must be a positive number, got {buffer_mb!r}")
         self.buffer_mb = float(buffer_mb)
+        if first_buffer_mb is not None and (
+            isinstance(first_buffer_mb, bool) or not isinstance(first_buffer_mb, (int, float)) or first_buffer_mb <= 0
+        ):
+            raise ValueError(f"first_buffer_mb must be a positive number or None (= buffer_mb), got {first_buffer_mb!r}")
+        self.first_buffer_mb = None if first_buffer_mb is None else float(first_buffer_mb)
         if isinstance(process_groups, bool) or not isinstance(process_groups, int) or process_groups < 1:
             raise ValueError(f"process_groups must be an integer >= 1, got {process_groups!r}")
         self.process_groups = process_groups
@@ -179,6 +188,7 @@ class SSFusionStrategy(DDPStrategy):
             "fusion": self.fusion_name,
             "comm": self.comm_name,
             "buffer_mb": self.buffer_mb,
+            "first_buffer_mb": self.first_buffer_mb,
             "process_groups": self.process_groups,
             "offload": self.offload,
             "warmup_steps": self.warmup_steps,
@@ -222,6 +232,7 @@ class SSFusionStrategy(DDPStrategy):
             channels,
             EngineConfig(
                 buffer_bytes=self.buffer_mb * 1024 * 1024,
+                first_buffer_bytes=None if self.first_buffer_mb is None else self.first_buffer_mb * 1024 * 1024,
                 warmup_steps=self.warmup_steps,
                 find_unused_parameters=self.find_unused_parameters,
                 offload=self.offload,

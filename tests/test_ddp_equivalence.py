@@ -48,6 +48,14 @@ def test_dense_engine_equals_ddp_on_4_ranks(pool4):
     assert_bitwise_equal(pool4.run(run_pair, "plain", "ddp", DENSE))
 
 
+def test_dense_engine_with_a_small_first_buffer_equals_ddp_on_2_ranks(pool2):
+    """Three buffers (a 512-byte first one: the last layers' gradients launch during the backward).
+    Two ranks: a + b has one rounding wherever the element sits in the buffer, so DDP's one bucket
+    must still match bit for bit."""
+    engine_kwargs = dict(DENSE, first_buffer_mb=512 / 2**20, buffer_mb=4096 / 2**20)
+    assert_bitwise_equal(pool2.run(run_pair, "plain", "ddp", engine_kwargs))
+
+
 def every_policy_and_communicator_at_full_density():
     """Top-k at density 1 keeps every element: each fusion policy x communicator must then add up
     exactly what DDP adds up (two ranks: a + b has one rounding whatever the order)."""

@@ -7,12 +7,15 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
 from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
-from ssfusion_lightning.fusion import FUSION_POLICIES
+from ssfusion_lightning.engine.plan import ParamSpec, cut_by_bytes
+from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
 
 POLICIES = ["layerwise", "behind", "ahead", "aligned", "adaptive", "selective", "partial"]
@@ -38,7 +41,9 @@ class Mixed(nn.Module):
 WIRE_INDEX_BYTES = 4  # the allgather sends positions as int32
 
 
-def build_engine(model, fusion, comm, sparsifier="topk", density=0.1, groups=2, offload="none", buffer_bytes=1600):
+def build_engine(
+    model, fusion, comm, sparsifier="topk", density=0.1, groups=2, offload="none", buffer_bytes=1600, first_buffer_bytes=None
+):
     group_list = [dist.new_group(backend="gloo") for _ in range(groups)]
     named = [(n, p) for n, p in model.named_parameters()]
     return FusionEngine(
@@ -48,7 +53,7 @@ def build_engine(model, fusion, comm, sparsifier="topk", density=0.1, groups=2, 
         FUSION_POLICIES.build(fusion),
         COMMUNICATORS.build(comm),
         ChannelSet(group_list, torch.device("cpu")),
-        EngineConfig(buffer_bytes=buffer_bytes, offload=offload, profile_steps=2),
+        EngineConfig(buffer_bytes=buffer_bytes, first_buffer_bytes=first_buffer_bytes, offload=offload, profile_steps=2),
     )
 
 
@@ -242,3 +247,82 @@ def test_offloading_and_group_count_change_no_bit(pool2):
                 assert torch.equal(written[0][name], variant[name]), name
         for name in written[4]:
             assert torch.equal(written[4][name], written[5][name]), name
+
+
+# --------------------------------------------------------------------------- first buffer cap
+def _specs(sizes_and_dtypes):
+    return [(i, ParamSpec(f"p{i}", (n,), dtype)) for i, (n, dtype) in enumerate(sizes_and_dtypes)]
+
+
+def _bytes(group):
+    return sum(spec.nbytes for _, spec in group)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    items=st.lists(st.tuples(st.integers(1, 400), st.sampled_from([torch.float32, torch.float64])), min_size=1, max_size=30),
+    cap=st.integers(0, 3000),
+    first_cap=st.one_of(st.none(), st.integers(0, 3000)),
+)
+def test_cut_by_bytes_keeps_order_and_caps_every_group(items, cap, first_cap):
+    params = _specs(items)
+    groups = cut_by_bytes(params, cap, first_cap)
+    assert [item for group in groups for item in group] == params
+    for index, group in enumerate(groups):
+        limit = first_cap if index == 0 and first_cap is not None else cap
+        assert len({spec.dtype for _, spec in group}) == 1
+        assert len(group) == 1 or _bytes(group) <= limit
+        if index + 1 < len(groups):  # greedy: the next tensor would not have fitted
+            following = groups[index + 1][0][1]
+            assert following.dtype != group[0][1].dtype or _bytes(group) + following.nbytes > limit
+
+
+@pytest.mark.parametrize("fusion", ["behind", "ahead", "aligned", "adaptive", "selective", "partial"])
+def test_first_buffer_cap_shrinks_only_the_first_buffer(fusion):
+    params = _specs([(256, torch.float32)] * 12)  # 1 KiB each
+    policy = FUSION_POLICIES.build(fusion)
+    sparsifier = build_sparsifier("topk", density=0.1)
+    plain = policy.plan(params, PlanContext(sparsifier, 6 * 1024, 2, 2))
+    early = policy.plan(params, PlanContext(sparsifier, 6 * 1024, 2, 2, first_buffer_bytes=2 * 1024))
+    assert [len(b.slots) for b in plain.buffers] == [6, 6]
+    assert [len(b.slots) for b in early.buffers] == [2, 6, 4]
+    assert [s.param for b in early.buffers for s in b.slots] == list(range(12))
+    assert [b.channel for b in early.buffers] == [0, 1, 0]
+
+
+def test_layerwise_ignores_no_cap_it_has_one_tensor_per_buffer():
+    params = _specs([(256, torch.float32)] * 5)
+    plan = FUSION_POLICIES.build("layerwise").plan(
+        params, PlanContext(build_sparsifier("topk", density=0.1), 6 * 1024, 2, 2, first_buffer_bytes=4 * 1024)
+    )
+    assert [len(b.slots) for b in plan.buffers] == [1] * 5
+
+
+def first_buffer_launch_during_backward(fusion):
+    """With a small first buffer its collective starts while later gradients are still missing."""
+    torch.manual_seed(0)
+    model = Mixed().double()
+    engine = build_engine(model, fusion, "hybrid", buffer_bytes=1 << 20, first_buffer_bytes=600)
+    missing_at_first_launch = []
+    launch = engine.communicator.launch
+
+    def recording(encoded, buffer, channels):
+        if buffer.index == 0:
+            missing_at_first_launch.append(len(engine.params) - len(engine._ready_order))
+        return launch(encoded, buffer, channels)
+
+    engine.communicator.launch = recording
+    records, written, _ = run_rounds(engine, model, rounds=6, seed=3)
+    return missing_at_first_launch, records, written, [len(b.slots) for b in engine.plan.buffers]
+
+
+@pytest.mark.parametrize("fusion", ["selective", "ahead"])
+def test_small_first_buffer_launches_during_backward_and_sums_exactly(pool2, fusion):
+    results = pool2.run(first_buffer_launch_during_backward, fusion)
+    for missing, _, _, sizes in results:
+        assert len(sizes) == 2 and sizes[0] < sizes[1], sizes
+        assert all(m > 0 for m in missing[1:]), missing  # round 0 runs before the ready order is known
+    expected = expected_gradients([r[1] for r in results], 2)
+    for _, _, written, _ in results:
+        for name, grad in written.items():
+            assert torch.equal(grad, expected[name]), name

@@ -55,6 +55,7 @@ def test_strategy_string_reaches_the_trainer():
         ({"density": 0.0}, "0 < density <= 1, got 0.0"),
         ({"density": 1.5}, "0 < density <= 1, got 1.5"),
         ({"buffer_mb": -1}, "buffer_mb must be a positive number, got -1"),
+        ({"first_buffer_mb": 0}, "first_buffer_mb must be a positive number or None (= buffer_mb), got 0"),
         ({"process_groups": 0}, "process_groups must be an integer >= 1, got 0"),
         ({"warmup_steps": -2}, "warmup_steps must be an integer >= 0, got -2"),
         ({"nonfinite": "ignore"}, "unknown nonfinite policy 'ignore'; valid choices: raise, skip"),

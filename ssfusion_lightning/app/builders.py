@@ -20,6 +20,7 @@ SSFUSION_OPTIONS = (
     "density",
     "memory",
     "buffer_mb",
+    "first_buffer_mb",
     "process_groups",
     "offload",
     "warmup_steps",

@@ -32,6 +32,8 @@ from ssfusion_lightning.sparsifiers import Memory, Sparsifier
 @dataclass
 class EngineConfig:
     buffer_bytes: float
+    #: cap of the buffer that closes first in backward order (None: buffer_bytes)
+    first_buffer_bytes: float | None = None
     warmup_steps: int = 0
     find_unused_parameters: bool = False
     offload: str = "none"
@@ -77,7 +79,9 @@ def offload_decisions(plan: Plan, costs: CostProfile) -> list[bool]:
 
 
 def reversed_buffers(plan: Plan, num_channels: int) -> Plan:
-    """Launch order reversed (DDP's first-round guess: gradients of late layers are ready first)."""
+    """Launch order reversed (DDP's first-round guess: gradients of late layers are ready first).
+    As in DDP's first round, buffers are cut in registration order (a small first buffer then holds
+    the first layers) and only then reversed, so every buffer's layout is DDP's bucket's."""
     buffers = tuple(
         replace(buffer, index=i, channel=i % num_channels) for i, buffer in enumerate(reversed(plan.buffers))
     )
@@ -129,7 +133,9 @@ class FusionEngine:
         return [(i, ParamSpec(self.names[i], tuple(self.params[i].shape), self.params[i].dtype)) for i in order]
 
     def _build_plan(self, order: Sequence[int], costs: Any = None) -> Plan:
-        ctx = PlanContext(self.sparsifier, self.config.buffer_bytes, len(self.channels), self.world_size, costs)
+        ctx = PlanContext(
+            self.sparsifier, self.config.buffer_bytes, len(self.channels), self.world_size, costs, self.config.first_buffer_bytes
+        )
         return self.policy.plan(self.specs(order), ctx)
 
     def set_plan(self, plan: Plan) -> None:

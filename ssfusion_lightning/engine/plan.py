@@ -100,15 +100,20 @@ class Plan:
         return {slot.param: buffer.index for buffer in self.buffers for slot in buffer.slots}
 
 
-def cut_by_bytes(params: Sequence[tuple[int, ParamSpec]], cap_bytes: float) -> list[list[tuple[int, ParamSpec]]]:
+def cut_by_bytes(
+    params: Sequence[tuple[int, ParamSpec]], cap_bytes: float, first_cap_bytes: float | None = None
+) -> list[list[tuple[int, ParamSpec]]]:
     """Greedy byte-capped grouping in the given order; a tensor larger than the cap gets its own
-    buffer, and a buffer never mixes dtypes (it is one flat tensor)."""
+    buffer, and a buffer never mixes dtypes (it is one flat tensor). ``first_cap_bytes`` caps the
+    first group instead (DDP's small first bucket: its communication starts while the rest of the
+    backward runs)."""
     groups: list[list[tuple[int, ParamSpec]]] = []
     current: list[tuple[int, ParamSpec]] = []
     size = 0
     for item in params:
         nbytes = item[1].nbytes
-        if current and (size + nbytes > cap_bytes or item[1].dtype != current[0][1].dtype):
+        cap = cap_bytes if groups or first_cap_bytes is None else first_cap_bytes
+        if current and (size + nbytes > cap or item[1].dtype != current[0][1].dtype):
             groups.append(current)
             current, size = [], 0
         current.append(item)

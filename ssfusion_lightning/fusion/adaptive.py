@@ -28,7 +28,7 @@ def buffer_seconds(items: Sequence[tuple[int, ParamSpec]], costs: CostProfile, s
 
 
 def adaptive_boundaries(
-    params: Sequence[tuple[int, ParamSpec]], costs: CostProfile, sparsifier, cap_bytes: float
+    params: Sequence[tuple[int, ParamSpec]], costs: CostProfile, sparsifier, cap_bytes: float, first_cap_bytes: float | None = None
 ) -> list[list[tuple[int, ParamSpec]]]:
     latency_bytes = costs.allgather.alpha / costs.allgather.beta if costs.allgather.beta > 0 else 0.0
     groups: list[list[tuple[int, ParamSpec]]] = []
@@ -37,7 +37,8 @@ def adaptive_boundaries(
     clock = channel_free = 0.0
     for item in params:
         spec = item[1]
-        if current and (sum(s.nbytes for _, s in current) + spec.nbytes > cap_bytes or spec.dtype != current[0][1].dtype):
+        cap = cap_bytes if groups or first_cap_bytes is None else first_cap_bytes
+        if current and (sum(s.nbytes for _, s in current) + spec.nbytes > cap or spec.dtype != current[0][1].dtype):
             groups.append(current)
             ready_at.append(clock)
             current = []
@@ -62,7 +63,8 @@ def adaptive_boundaries(
         separate = max(ready_at[-2] + c1 + m1, ready_at[-1] + c2) + m2
         cm, mm = buffer_seconds(before + last, costs, sparsifier)
         merged_bytes = sum(s.nbytes for _, s in before + last)
-        if ready_at[-1] + cm + mm <= separate and merged_bytes <= cap_bytes and before[0][1].dtype == last[0][1].dtype:
+        merged_cap = cap_bytes if len(groups) > 2 or first_cap_bytes is None else first_cap_bytes
+        if ready_at[-1] + cm + mm <= separate and merged_bytes <= merged_cap and before[0][1].dtype == last[0][1].dtype:
             groups[-2:] = [before + last]
     return groups
 
@@ -78,6 +80,6 @@ class AdaptivePolicy(FusionPolicy):
         sparse = not ctx.sparsifier.is_dense
         buffers = tuple(
             Buffer(index, make_slots(items, lambda spec: sparse, lambda spec: planned_k(ctx.sparsifier, spec)), index % ctx.num_channels)
-            for index, items in enumerate(adaptive_boundaries(params, costs, ctx.sparsifier, ctx.buffer_bytes))
+            for index, items in enumerate(adaptive_boundaries(params, costs, ctx.sparsifier, ctx.buffer_bytes, ctx.first_buffer_bytes))
         )
         return Plan(buffers, {"measured_costs": costs.measured})

@@ -19,5 +19,6 @@ class AheadPolicy(FusionPolicy):
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         sparse = not ctx.sparsifier.is_dense
         return byte_capped_plan(
-            params, ctx, ctx.buffer_bytes, lambda spec: sparse, lambda spec: planned_k(ctx.sparsifier, spec)
+            params, ctx, ctx.buffer_bytes, lambda spec: sparse, lambda spec: planned_k(ctx.sparsifier, spec),
+            ctx.first_buffer_bytes,
         )

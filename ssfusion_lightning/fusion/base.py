@@ -24,6 +24,8 @@ class PlanContext:
     num_channels: int
     world_size: int
     costs: Any = None  # agreed CostProfile for cost-driven policies (None before profiling)
+    #: cap of the buffer that closes first in backward order (None: buffer_bytes)
+    first_buffer_bytes: float | None = None
 
 
 @dataclass
@@ -154,9 +156,11 @@ def planned_k(sparsifier: Sparsifier, spec: ParamSpec, density: float | None = N
     return k if exact is None else exact
 
 
-def byte_capped_plan(params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext, cap_bytes: float, sparse_of, k_of) -> Plan:
+def byte_capped_plan(
+    params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext, cap_bytes: float, sparse_of, k_of, first_cap_bytes: float | None = None
+) -> Plan:
     buffers = tuple(
         Buffer(index, make_slots(items, sparse_of, k_of), channel=index % ctx.num_channels)
-        for index, items in enumerate(cut_by_bytes(params, cap_bytes))
+        for index, items in enumerate(cut_by_bytes(params, cap_bytes, first_cap_bytes))
     )
     return Plan(buffers)

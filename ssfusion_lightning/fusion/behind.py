@@ -30,7 +30,7 @@ class BehindPolicy(FusionPolicy):
 
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         sparse = not ctx.sparsifier.is_dense
-        return byte_capped_plan(params, ctx, ctx.buffer_bytes, lambda spec: sparse, lambda spec: spec.numel)
+        return byte_capped_plan(params, ctx, ctx.buffer_bytes, lambda spec: sparse, lambda spec: spec.numel, ctx.first_buffer_bytes)
 
     def compress(self, buffer: Buffer, grads: Sequence[Tensor], dense_out: Tensor | None, ctx: CompressContext) -> Encoded:
         if not buffer.sparse_slots:

@@ -46,6 +46,6 @@ class PartialPolicy(FusionPolicy):
                 make_slots(items, lambda spec: decisions[spec.name], lambda spec: planned_k(ctx.sparsifier, spec)),
                 index % ctx.num_channels,
             )
-            for index, items in enumerate(cut_by_bytes(params, ctx.buffer_bytes))
+            for index, items in enumerate(cut_by_bytes(params, ctx.buffer_bytes, ctx.first_buffer_bytes))
         )
         return Plan(buffers, {"sparse_tensors": sum(decisions.values()), "measured_costs": costs.measured})

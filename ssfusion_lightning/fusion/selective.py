@@ -47,7 +47,7 @@ class SelectivePolicy(FusionPolicy):
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         costs = ctx.costs or CostProfile(world_size=ctx.world_size)
         buffers, thresholds = [], []
-        for index, items in enumerate(cut_by_bytes(params, ctx.buffer_bytes)):
+        for index, items in enumerate(cut_by_bytes(params, ctx.buffer_bytes, ctx.first_buffer_bytes)):
             if ctx.sparsifier.is_dense:
                 tau, sparse_density = max(spec.numel for _, spec in items), 1.0
             else:
