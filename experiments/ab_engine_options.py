@@ -1,0 +1,107 @@
+"""A/B test of one engine option on the emulated cluster: bench_e2e runs with options A and B,
+alternated (A, B, A, B, ...) so both see the same drift in outside load, each run with Lightning
+``ddp`` beside the engine schemes. Every engine step time is compared as its ratio to the ddp of
+the same run, which cancels most of the load the run saw.
+
+    python -m experiments.ab_engine_options --name ab_first_buffer --b '{"first_buffer_mb": 1}'
+
+Writes <out>/<name>.csv (one row per variant, repeat, workload, link and scheme) and <name>.md
+(the per-repeat ratios, their medians and B's median over A's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from experiments.bench_e2e import ENGINE_SCHEMES, RESULTS
+
+FIELDS = ("variant", "options", "repeat", "world", "workload", "rate", "scheme", "step_ms", "ddp_step_ms", "x_ddp_step")
+
+
+def run_variant(args: argparse.Namespace, variant: str, options: str, repeat: int, scratch: Path) -> list[dict]:
+    name = f"{variant}_{repeat}"
+    command = [
+        sys.executable, "-m", "experiments.bench_e2e", "--worlds", *map(str, args.worlds), "--rates", *args.rates,
+        "--workloads", *args.workloads, "--schemes", "ddp", *args.schemes, "--acc-steps", "0", "--key-repeats", "1",
+        "--engine-options", options, "--out", str(scratch), "--name", name, "--no-report",
+    ]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    with open(scratch / f"{name}.csv", newline="") as handle:
+        summary = list(csv.DictReader(handle))
+    ddp = {(r["world"], r["workload"], r["rate"]): float(r["step_ms"]) for r in summary if r["scheme"] == "ddp"}
+    rows = []
+    for r in summary:
+        if r["scheme"] not in args.schemes or not r["step_ms"]:
+            continue
+        reference = ddp[(r["world"], r["workload"], r["rate"])]
+        step = float(r["step_ms"])
+        rows.append(
+            dict(variant=variant, options=options, repeat=repeat, world=r["world"], workload=r["workload"], rate=r["rate"],
+                 scheme=r["scheme"], step_ms=f"{step:.1f}", ddp_step_ms=f"{reference:.1f}", x_ddp_step=f"{step / reference:.3f}")
+        )
+    return rows
+
+
+def _runs(values: list[float], median: float) -> str:
+    return ", ".join(f"{v:.2f}" for v in values) + f" (**{median:.2f}**)"
+
+
+def markdown(rows: list[dict], a: str, b: str) -> str:
+    ratios: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: {"A": [], "B": []})
+    for r in rows:
+        ratios[(r["world"], r["workload"], r["rate"], r["scheme"])][r["variant"]].append(float(r["x_ddp_step"]))
+    lines = [
+        f"A = `{a}`, B = `{b}`. Each cell: the scheme's median step time over Lightning ddp's in the same run "
+        "(lower is faster), one value per run, then the median.",
+        "",
+        "| P | workload | link | scheme | A: step / ddp | B: step / ddp | B / A |",
+        "|---|---|---|---|---|---|---:|",
+    ]
+    for (world, workload, rate, scheme), by in sorted(ratios.items()):
+        med_a, med_b = statistics.median(by["A"]), statistics.median(by["B"])
+        lines.append(
+            f"| {world} | {workload} | {rate} | {scheme} | {_runs(by['A'], med_a)} | {_runs(by['B'], med_b)} | {med_b / med_a:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--a", default="{}", help="engine options of variant A, as JSON (default: the defaults)")
+    parser.add_argument("--b", required=True, help="engine options of variant B, as JSON")
+    parser.add_argument("--name", required=True, help="file stem of the results")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant, alternated")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[4])
+    parser.add_argument("--rates", nargs="+", default=["none", "40mbit"])
+    parser.add_argument("--workloads", nargs="+", default=["resnet18", "gpt2"])
+    parser.add_argument("--schemes", nargs="+", default=["ssfusion", "ssfusion_dense"], choices=ENGINE_SCHEMES)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    for label, options in (("--a", args.a), ("--b", args.b)):
+        if not isinstance(json.loads(options), dict):
+            raise SystemExit(f"{label} must be a JSON object of SSFusionStrategy keyword arguments, got {options!r}")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for repeat in range(args.repeats):
+            for variant, options in (("A", args.a), ("B", args.b)):
+                rows += run_variant(args, variant, options, repeat, Path(scratch))
+                print(f"repeat {repeat} variant {variant} done", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / f"{args.name}.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (args.out / f"{args.name}.md").write_text(markdown(rows, args.a, args.b))
+    print((args.out / f"{args.name}.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
