@@ -194,9 +194,6 @@ def bench_model(spec: tuple, device: torch.device, reps: int, precision: str) ->
     if device.type == "cuda":
         row["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
-    del model, optimizer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -254,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         result["models"] = []
         for spec in specs:
             row = bench_model(spec, device, reps, precision)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the model and its optimizer state died with bench_model's frame
             result["models"].append(row)
             print(f"model: {row['model']} {row['size']} batch {row['batch']}: {row['step_ms']:.1f} ms/step, "
                   f"{row['params'] / 1e6:.1f}M params", file=sys.stderr, flush=True)
