@@ -43,6 +43,9 @@ def _worker(rank: int, world: int, port: int, inbox: mp.Queue, outbox: mp.Queue)
         if task is None:
             break
         fn, args, kwargs = task
+        # A task's random draws must not depend on which tasks this worker ran before (or a
+        # statistical assertion passes or fails with the test order); ranks still differ.
+        torch.manual_seed(rank)
         try:
             outbox.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - report every failure to the test process
