@@ -208,12 +208,18 @@ def test_reliability_and_memory_options_reach_the_strategy():
     assert build_strategy(compose("strategy=ssfusion"))._timeout == ssf.SSFusionStrategy()._timeout  # null: torch's default
 
 
+def test_first_buffer_cap_reaches_the_strategy_and_null_means_buffer_mb():
+    assert build_strategy(compose("strategy=ssfusion", "strategy.first_buffer_mb=1")).first_buffer_mb == 1.0
+    assert build_strategy(compose("strategy=ssfusion")).first_buffer_mb is None
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
         ("+strategy.nonfinte=skip", "unknown strategy option(s) nonfinte; valid choices: name, kind, start_method, density"),
         ("strategy.timeout=0", "strategy.timeout must be a number of seconds > 0 or null, got 0"),
         ("strategy.nonfinite=ignore", "unknown nonfinite policy 'ignore'; valid choices: raise, skip"),
+        ("strategy.first_buffer_mb=-1", "first_buffer_mb must be a positive number or None (= buffer_mb), got -1"),
     ],
 )
 def test_bad_strategy_options_are_named(override, message):
