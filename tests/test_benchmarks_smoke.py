@@ -213,14 +213,16 @@ def test_report_simulate_numbers_come_from_the_committed_csvs(tmp_path):
     assert section is not None and section == (tmp_path / "simulate.md").read_text().split("\n\n", 1)[1].strip()
 
 
-@pytest.mark.skipif(not (RESULTS / "ab_first_buffer.csv").exists(), reason="no committed A/B results")
-def test_report_first_buffer_ab_table_comes_from_the_committed_csv():
+@pytest.mark.parametrize("stem", ["ab_first_buffer", "ab_process_groups"])
+def test_report_ab_tables_come_from_the_committed_csvs(stem):
     from experiments import ab_engine_options
 
-    rows = bench_e2e.read_csv(RESULTS / "ab_first_buffer.csv")
+    if not (RESULTS / f"{stem}.csv").exists():
+        pytest.skip(f"no committed {stem} results")
+    rows = bench_e2e.read_csv(RESULTS / f"{stem}.csv")
     options = {r["variant"]: r["options"] for r in rows}
     table = ab_engine_options.markdown(rows, options["A"], options["B"])
-    assert (RESULTS / "ab_first_buffer.md").read_text() == table
+    assert (RESULTS / f"{stem}.md").read_text() == table
     assert table in (RESULTS.parent / "REPORT.md").read_text()
     gpt2_40 = [r for r in rows if (r["workload"], r["rate"], r["scheme"]) == ("gpt2", "40mbit", "ssfusion")]
     assert sorted(r["variant"] for r in gpt2_40) == ["A", "A", "A", "B", "B", "B"]
