@@ -5,8 +5,10 @@ the same run, which cancels most of the load the run saw.
 
     python -m experiments.ab_engine_options --name ab_first_buffer --b '{"first_buffer_mb": 1}'
 
-Writes <out>/<name>.csv (one row per variant, repeat, workload, link and scheme) and <name>.md
-(the per-repeat ratios, their medians and B's median over A's).
+    python -m experiments.ab_engine_options --name ab_first_buffer --from-csv   # table and plot only
+
+Writes <out>/<name>.csv (one row per variant, repeat, workload, link and scheme), <name>.md (the
+per-repeat ratios, their medians and B's median over A's) and <name>.png (the same as bars).
 """
 
 from __future__ import annotations
@@ -73,10 +75,38 @@ def markdown(rows: list[dict], a: str, b: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict], a: str, b: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["world"], r["workload"], r["rate"], r["scheme"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(keys), 3.6))
+    for offset, variant, label, colour in ((-0.18, "A", a, "tab:gray"), (0.18, "B", b, "tab:blue")):
+        for x, key in enumerate(keys):
+            values = [float(r["x_ddp_step"]) for r in rows if (r["world"], r["workload"], r["rate"], r["scheme"]) == key and r["variant"] == variant]
+            ax.bar(x + offset, statistics.median(values), width=0.34, color=colour, alpha=0.6, label=f"{variant}: {label}" if x == 0 else None)
+            ax.plot([x + offset] * len(values), values, "k.", markersize=4)
+    ax.set_xticks(range(len(keys)), [f"P={w} {wl}\n{rate}\n{scheme}" for w, wl, rate, scheme in keys], fontsize=8)
+    ax.set_ylabel("step time / ddp's (same run)")
+    ax.set_title("A/B of an engine option: median (bar) and each run (dot); lower is faster", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(rows: list[dict], out: Path, name: str) -> None:
+    options = {r["variant"]: r["options"] for r in rows}
+    (out / f"{name}.md").write_text(markdown(rows, options["A"], options["B"]))
+    plot(rows, options["A"], options["B"], out / f"{name}.png")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a", default="{}", help="engine options of variant A, as JSON (default: the defaults)")
-    parser.add_argument("--b", required=True, help="engine options of variant B, as JSON")
+    parser.add_argument("--b", help="engine options of variant B, as JSON")
     parser.add_argument("--name", required=True, help="file stem of the results")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, alternated")
     parser.add_argument("--worlds", type=int, nargs="+", default=[4])
@@ -84,7 +114,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", nargs="+", default=["resnet18", "gpt2"])
     parser.add_argument("--schemes", nargs="+", default=["ssfusion", "ssfusion_dense"], choices=ENGINE_SCHEMES)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--from-csv", action="store_true", help="only rebuild the table and plot from <out>/<name>.csv")
     args = parser.parse_args(argv)
+    if args.from_csv:
+        with open(args.out / f"{args.name}.csv", newline="") as handle:
+            write_outputs(list(csv.DictReader(handle)), args.out, args.name)
+        return
+    if args.b is None:
+        parser.error("--b is required unless --from-csv")
     for label, options in (("--a", args.a), ("--b", args.b)):
         if not isinstance(json.loads(options), dict):
             raise SystemExit(f"{label} must be a JSON object of SSFusionStrategy keyword arguments, got {options!r}")
@@ -99,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         writer = csv.DictWriter(handle, FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    (args.out / f"{args.name}.md").write_text(markdown(rows, args.a, args.b))
+    write_outputs(rows, args.out, args.name)
     print((args.out / f"{args.name}.md").read_text())
 
 
