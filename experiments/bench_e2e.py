@@ -53,7 +53,7 @@ DEFAULT_RATES = ["none", "150mbit", "40mbit"]
 WORKLOADS = ("resnet18", "gpt2")
 
 STEP_FIELDS = [
-    "world", "rate", "workload", "scheme", "rep", "step", "seconds", "bytes_sent", "bytes_received",
+    "world", "rate", "workload", "scheme", "rep", "step", "seconds", "cpu_seconds", "bytes_sent", "bytes_received",
     "dense_equivalent_bytes", "compress_seconds", "exposed_comm_seconds", "buffers", "dense_tensors",
     "sparse_tensors", "hook_payload_bytes", "train_loss",
 ]
@@ -64,7 +64,7 @@ RUN_FIELDS = [
 ]
 SUMMARY_FIELDS = [
     "world", "rate", "rate_mbit", "workload", "scheme", "steps_measured", "step_ms", "step_p25_ms", "step_p75_ms",
-    "samples_per_s", "compute_ms", "lockstep_ms", "compress_ms", "exposed_comm_ms", "other_ms", "comm_fraction",
+    "step_cpu_ms", "samples_per_s", "compute_ms", "lockstep_ms", "compress_ms", "exposed_comm_ms", "other_ms", "comm_fraction",
     "bytes_per_step", "dense_bytes_per_step", "x_ddp", "x_best_hook", "of_compute", "val_acc", "val_loss",
     "train_loss_end",
 ]
@@ -220,10 +220,12 @@ def raw_rows(runs: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
         engine = run.get("engine") or []
         hook = run.get("hook_payload") or []
         losses = run.get("train_loss") or []
+        cpu = run.get("step_cpu_seconds") or []
         for step, seconds in enumerate(run.get("step_seconds") or []):
             m = engine[step] if step < len(engine) else {}
             steps.append({
                 **key, "step": step, "seconds": f"{seconds:.6f}",
+                "cpu_seconds": f"{cpu[step]:.6f}" if step < len(cpu) else "",
                 **{f: _fmt(m.get(f)) for f in ("bytes_sent", "bytes_received", "dense_equivalent_bytes",
                                               "compress_seconds", "exposed_comm_seconds", "buffers",
                                               "dense_tensors", "sparse_tensors")},
@@ -324,6 +326,7 @@ def summarize(steps: list[dict[str, str]], runs: list[dict[str, str]]) -> list[d
             "world": P, "rate": rate, "rate_mbit": rate_mbit(rate), "workload": workload, "scheme": scheme,
             "steps_measured": len(seconds), "step_s": step,
             "step_p25_s": _quantile(seconds, 0.25), "step_p75_s": _quantile(seconds, 0.75),
+            "step_cpu_s": _median([v for s in items if (v := _num(s.get("cpu_seconds"))) is not None]),
             "samples_per_s": P * int(run["per_rank_batch"]) / step,
             "compress_s": _median([v for s in items if (v := _num(s["compress_seconds"])) is not None]),
             "exposed_engine_s": _median([v for s in items if (v := _num(s["exposed_comm_seconds"])) is not None]),
@@ -392,7 +395,7 @@ def summary_csv_rows(summary: list[dict[str, Any]]) -> list[dict[str, str]]:
             "rate_mbit": "inf" if r["rate_mbit"] == math.inf else f"{r['rate_mbit']:g}",
             "workload": r["workload"], "scheme": r["scheme"], "steps_measured": r["steps_measured"],
             "step_ms": ms("step_s"), "step_p25_ms": ms("step_p25_s"), "step_p75_ms": ms("step_p75_s"),
-            "samples_per_s": num("samples_per_s", "{:.1f}"), "compute_ms": ms("compute_s"),
+            "step_cpu_ms": ms("step_cpu_s"), "samples_per_s": num("samples_per_s", "{:.1f}"), "compute_ms": ms("compute_s"),
             "lockstep_ms": ms("lockstep_s"), "compress_ms": ms("compress_s"), "exposed_comm_ms": ms("exposed_comm_s"),
             "other_ms": ms("other_s"), "comm_fraction": num("comm_fraction", "{:.3f}"),
             "bytes_per_step": num("bytes_per_step", "{:.0f}"), "dense_bytes_per_step": num("dense_bytes_per_step", "{:.0f}"),
@@ -469,8 +472,13 @@ def targets(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     ddp = find.get((world, r["rate"], workload, "ddp"))
                     if ddp:
                         ratio = r["step_s"] / ddp["step_s"]
+                        cpu = (
+                            f"; CPU time per step {r['step_cpu_s'] / ddp['step_cpu_s']:.3f}x "
+                            f"({r['step_cpu_s'] * 1e3:.1f} vs {ddp['step_cpu_s'] * 1e3:.1f} ms)"
+                            if r.get("step_cpu_s") and ddp.get("step_cpu_s") else ""
+                        )
                         add(world, workload, "dense_engine_step_over_ddp", r["rate"], ratio, "<= 1.1", ratio <= 1.1,
-                            f"{r['step_s'] * 1e3:.1f} ms vs {ddp['step_s'] * 1e3:.1f} ms")
+                            f"{r['step_s'] * 1e3:.1f} ms vs {ddp['step_s'] * 1e3:.1f} ms{cpu}")
     return out
 
 

@@ -10,6 +10,9 @@ the scheme's strategy; rank 0 appends one JSON line per run to ``spec["out"]``:
 
 - ``step_seconds``: wall time of every optimizer step (start of one batch to the start of the next,
   so data loading, forward, backward, communication and the optimizer are all in it);
+- ``step_cpu_seconds``: the CPU time the whole rank process (every thread: autograd, gloo, the
+  engine's workers) spent in the same intervals. Unlike wall time it does not grow while a rank
+  waits for the scheduler or the link, so it shows a scheme's own cost under outside load;
 - ``engine``: per step ``strategy.last_metrics`` (bytes, compress/exposed seconds, buffers) for the
   fusion-engine schemes;
 - ``hook_bytes``: per step the payload bytes of the ``torch.distributed.all_reduce`` calls made by
@@ -226,16 +229,21 @@ class StepRecorder(Callback):
         self.plan: dict[str, int] = {}
         self.starts: list[float] = []
         self.end: float | None = None
+        self.cpu_starts: list[float] = []
+        self.cpu_end: float | None = None
+        self.eval_cpu_seconds: dict[int, float] = {}
         self.engine: list[dict[str, float]] = []
         self.hook_payload: list[int] = []
         self.losses: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
         COUNTER.take()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.end = time.perf_counter()
+        self.cpu_end = time.process_time()
         self.hook_payload.append(COUNTER.take())
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss) if loss is not None else float("nan"))
@@ -247,16 +255,25 @@ class StepRecorder(Callback):
             self.plan = plan_summary(engine)
         step = len(self.starts)
         if step in self.eval_at and self.evaluate_fn is not None:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             self.curve.append({"step": step, **self.evaluate_fn()})
             self.eval_seconds[step - 1] = time.perf_counter() - started
+            self.eval_cpu_seconds[step - 1] = time.process_time() - cpu_started
 
 
     def step_seconds(self) -> list[float]:
-        if not self.starts or self.end is None:
-            return []
-        marks = self.starts + [self.end]
-        return [b - a - self.eval_seconds.get(i, 0.0) for i, (a, b) in enumerate(zip(marks, marks[1:]))]
+        return _intervals(self.starts, self.end, self.eval_seconds)
+
+    def step_cpu_seconds(self) -> list[float]:
+        return _intervals(self.cpu_starts, self.cpu_end, self.eval_cpu_seconds)
+
+
+def _intervals(starts: list[float], end: float | None, excluded: dict[int, float]) -> list[float]:
+    """Start of each step to the start of the next (the last: to its end), less evaluation time."""
+    if not starts or end is None:
+        return []
+    marks = starts + [end]
+    return [b - a - excluded.get(i, 0.0) for i, (a, b) in enumerate(zip(marks, marks[1:]))]
 
 
 def plan_summary(engine: Any) -> dict[str, int]:
@@ -339,6 +356,7 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
         "param_tensors": sum(1 for _ in model.parameters()),
         "per_rank_batch": datamodule.batch_size,
         "step_seconds": recorder.step_seconds(),
+        "step_cpu_seconds": recorder.step_cpu_seconds(),
         "engine": recorder.engine if run["scheme"] in ENGINE_SCHEMES else [],
         "hook_payload": recorder.hook_payload if run["scheme"] in ("ddp_fp16", "ddp_powersgd") else [],
         "fit_seconds": fit_seconds,

@@ -101,13 +101,14 @@ def test_byte_formulas_follow_algorithms_section_7():
 def test_bench_e2e_summary_and_targets_from_raw_rows(tmp_path):
     runs = []
     for scheme, seconds in (("compute_only", 0.1), ("compute_sync", 0.11), ("ddp", 0.5), ("ddp_fp16", 0.3),
-                            ("ddp_powersgd", 0.2), ("ssfusion", 0.12)):
+                            ("ddp_powersgd", 0.2), ("ssfusion", 0.12), ("ssfusion_dense", 0.14)):
         for rate in ("none", "50mbit"):
             step = seconds if rate == "50mbit" else min(seconds, 0.13)
             runs.append({
                 "world": 4, "phase": rate, "workload": "resnet18", "scheme": scheme, "rep": 0, "steps": 8, "warmup": 2,
                 "params": 1000, "param_tensors": 3, "per_rank_batch": 32, "fit_seconds": 1.0,
                 "step_seconds": [1.0, 1.0] + [step] * 6,
+                "step_cpu_seconds": [0.9, 0.9] + [0.08 if scheme == "ddp" else 0.1] * 6,
                 "engine": [{"bytes_sent": 100.0, "compress_seconds": 0.005, "exposed_comm_seconds": 0.01}] * 8
                 if scheme == "ssfusion" else [],
                 "hook_payload": [500] * 8 if scheme.startswith("ddp_") else [],
@@ -128,6 +129,9 @@ def test_bench_e2e_summary_and_targets_from_raw_rows(tmp_path):
     checks = {t["check"]: t for t in targets}
     assert checks["ssfusion_x_ddp"]["met"] and checks["ssfusion_x_best_hook"]["met"] and checks["ssfusion_of_compute"]["met"]
     assert checks["ssfusion_acc_minus_ddp_points"]["value"] == pytest.approx(0.0)
+    # unshaped: ddp's step is capped at 0.13 s, the dense engine's 0.13 s too; CPU 0.1 vs 0.08 s
+    assert checks["dense_engine_step_over_ddp"]["value"] == pytest.approx(1.0)
+    assert "CPU time per step 1.250x (100.0 vs 80.0 ms)" in checks["dense_engine_step_over_ddp"]["note"]
     for name in ("e2e.csv", "e2e.md", "e2e_targets.csv", "e2e_throughput.png", "e2e_breakdown.png"):
         assert (tmp_path / name).stat().st_size > 0, name
 
@@ -164,6 +168,7 @@ def test_e2e_worker_runs_two_tiny_configurations_on_two_emulated_nodes(tmp_path)
     assert [r["scheme"] for r in recorded] == ["ssfusion", "ddp_powersgd"]
     ssf, psgd = recorded
     assert ssf["world"] == 2 and len(ssf["step_seconds"]) == 2 and all(t > 0 for t in ssf["step_seconds"])
+    assert len(ssf["step_cpu_seconds"]) == 2 and all(t > 0 for t in ssf["step_cpu_seconds"])
     assert 0 < ssf["engine"][-1]["bytes_sent"] < ssf["engine"][-1]["dense_equivalent_bytes"]
     assert ssf["plan_sparse_k"] > 0 and ssf["plan_buffers"] >= 1
     assert math.isfinite(ssf["eval"]["val_loss"]) and 0 <= ssf["eval"]["val_acc"] <= 1
