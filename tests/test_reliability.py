@@ -45,11 +45,11 @@ class EngineProbe(L.Callback):
         self.state = trainer.strategy.engine.state_dict()
 
 
-def nonfinite_run(policy: str, options: dict = SPARSE):
+def nonfinite_run(policy: str, options: dict = SPARSE, steps: int = 6):
     L.seed_everything(0, verbose=False)
     model = NaNOnRankOne()
     probe = EngineProbe()
-    trainer = make_trainer(ssf.SSFusionStrategy(nonfinite=policy, **options), 6, callbacks=[probe])
+    trainer = make_trainer(ssf.SSFusionStrategy(nonfinite=policy, **options), steps, callbacks=[probe])
     try:
         trainer.fit(model, DataLoader(regression_data(), batch_size=16))
     except NonFiniteGradientError as error:
@@ -82,6 +82,43 @@ def test_nan_on_one_rank_is_skipped_by_every_rank(pool2, options):
     assert skipped0 == skipped1 == 1
     assert step0 == step1 == 5, "the dropped round is not counted as a communication round"
     assert torch.equal(p0, p1)
+
+
+SELECTIVE = dict(sparsifier="topk", density=0.2, fusion="selective", comm="hybrid", offload="none")
+
+
+def counted_vote_rounds(policy: str, options: dict, steps: int = 6):
+    """nonfinite_run, plus how many separate non-finite vote collectives the engine issued."""
+    import ssfusion_lightning.engine.engine as engine_module
+
+    original, rounds = engine_module._allreduce_max, []
+
+    def counting(tensor, group):
+        rounds.append(tensor.numel())
+        return original(tensor, group)
+
+    engine_module._allreduce_max = counting
+    try:
+        return nonfinite_run(policy, options, steps), len(rounds)
+    finally:
+        engine_module._allreduce_max = original
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_the_vote_rides_in_the_last_dense_part_when_there_is_one(pool2, policy):
+    """selective keeps the small tensors dense: the vote is appended to that all-reduce (no round of
+    its own) and still stops or drops step 2 on every rank; ahead (all sparse) needs the round.
+    Four steps: the profiled plan of step 4 on may keep nothing dense."""
+    results = pool2.run(counted_vote_rounds, policy, SELECTIVE, 4)
+    assert [rounds for _, rounds in results] == [0, 0]
+    if policy == "raise":
+        assert all(outcome == "raised" and "step 2 on rank(s) [1]" in detail for (outcome, detail), _ in results)
+    else:
+        (o0, (p0, finite0, skipped0, _)), (o1, (p1, finite1, skipped1, _)) = [outcome for outcome, _ in results]
+        assert o0 == o1 == "finished" and finite0 and finite1 and skipped0 == skipped1 == 1
+        assert torch.equal(p0, p1)
+    all_sparse = pool2.run(counted_vote_rounds, "skip", SPARSE)
+    assert all(rounds == 6 for _, rounds in all_sparse), [rounds for _, rounds in all_sparse]
 
 
 def mismatched_density_run():

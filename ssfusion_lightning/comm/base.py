@@ -50,6 +50,9 @@ class PendingReduction:
 
 class Communicator(ABC):
     name: ClassVar[str] = ""
+    #: the dense part is summed element-wise by one all-reduce, whatever its length: the engine
+    #: may append control entries to it (the non-finite vote) instead of a round of their own
+    sums_dense: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         if options:

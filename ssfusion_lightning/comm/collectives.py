@@ -40,6 +40,7 @@ class SchemeCommunicator(Communicator):
 
     scheme: str = "allgather"
     split: bool = True
+    sums_dense = True
 
     def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
         dense = sparse = None

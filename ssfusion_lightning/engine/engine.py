@@ -194,6 +194,15 @@ class FusionEngine:
 
     def _reset_round(self) -> None:
         plan = self.active_plan
+        # A sparse plan needs every rank to know whether any rank's gradients were non-finite.
+        # When the last buffer has a dense part, compressed after every other buffer, the vote
+        # rides at its end (one entry per rank) instead of taking a round of its own.
+        self._vote_in_dense = (
+            plan.sparse_numel > 0
+            and plan.buffers[-1].dense_numel > 0
+            and self.communicator.sums_dense
+            and not any(self._offload_flags)  # an offloaded buffer may finish its check later
+        )
         self._buffer_of = plan.buffer_of
         self._missing = [len(b.slots) for b in plan.buffers]
         self._used = [False] * len(self.params)
@@ -220,14 +229,18 @@ class FusionEngine:
             self._next += 1
 
     # ---------------------------------------------------------------- buffer -> sparsify -> communicate
+    def _carries_vote(self, buffer: Buffer) -> bool:
+        return self._vote_in_dense and buffer.index == len(self.active_plan.buffers) - 1
+
     def _dense_out(self, buffer: Buffer) -> Tensor | None:
         if buffer.dense_numel == 0:
             return None
-        key = (buffer.index, buffer.dense_numel)
+        numel = buffer.dense_numel + (self.world_size if self._carries_vote(buffer) else 0)
+        key = (buffer.index, numel)
         out = self._dense_storage.get(key)
         if out is None:
             first = self.params[buffer.slots[0].param]
-            out = torch.empty(buffer.dense_numel, dtype=first.dtype, device=first.device)
+            out = torch.empty(numel, dtype=first.dtype, device=first.device)
             self._dense_storage[key] = out
         return out
 
@@ -257,6 +270,8 @@ class FusionEngine:
         on_selected = self._profiler.compressed if self.profiling else None
         ctx = CompressContext(self.sparsifier, self.memory, 1.0 / self.world_size, on_selected)
         encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), ctx)
+        if self._carries_vote(buffer):
+            self._health_vector(out=encoded.dense[buffer.dense_numel :])
         self.metrics.compress_seconds += time.perf_counter() - started
         return encoded
 
@@ -289,12 +304,18 @@ class FusionEngine:
         launched = [self._settle(item, "compress and launch") for item in self._pending]
         # Only sparse slots need a vote: a dense sum carries any rank's NaN/Inf to every rank, so
         # the reduced dense parts are checked instead, at no extra round.
-        health = self.channels[0].submit(_allreduce_max, self._health_vector()) if self.active_plan.sparse_numel else None
+        vote_round = self.active_plan.sparse_numel and not self._vote_in_dense
+        health = self.channels[0].submit(_allreduce_max, self._health_vector()) if vote_round else None
         usage = self._agree_on_usage() if self.config.find_unused_parameters else None
         ready_order = self._agree_on_ready_order() if self._rebuild_from_ready_order else None
         started = time.perf_counter()
         results = [(buffer, self._wait(buffer, pending), encoded) for buffer, pending, encoded in launched]
-        unhealthy = [rank for rank, flag in enumerate(self._settle(health, "non-finite check").tolist()) if flag] if health is not None else []
+        if self._vote_in_dense:
+            last, reduced, _ = results[-1]
+            votes = reduced.dense[last.dense_numel :]
+        else:
+            votes = self._settle(health, "non-finite check") if health is not None else None
+        unhealthy = [rank for rank, flag in enumerate(votes.tolist()) if flag] if votes is not None else []
         globally_used = self._settle(usage, "unused-parameter agreement").tolist() if usage is not None else None
         self.metrics.exposed_comm_seconds += time.perf_counter() - started
         if unhealthy:
@@ -327,11 +348,13 @@ class FusionEngine:
         links = {name: measure_link(name, group, device) for name in ("allreduce", "allgather")}
         return agree(self._profiler.local_vector(), self.names, links, self.world_size, group, device)
 
-    def _health_vector(self) -> Tensor:
-        """One entry per rank, 1 at this rank when any of its gradients this round was non-finite."""
-        vector = torch.zeros(self.world_size, dtype=torch.uint8, device=self.channels.device)
-        if self._finite and not bool(torch.stack(self._finite).all()):
-            vector[dist.get_rank(self.channels[0].group) if self.world_size > 1 else 0] = 1
+    def _health_vector(self, out: Tensor | None = None) -> Tensor:
+        """One entry per rank, 1 at this rank when any of its gradients this round was non-finite
+        (written without a host sync, so a vote riding in a dense part does not stall the launch)."""
+        vector = torch.zeros(self.world_size, dtype=torch.uint8, device=self.channels.device) if out is None else out.zero_()
+        if self._finite:
+            rank = dist.get_rank(self.channels[0].group) if self.world_size > 1 else 0
+            vector[rank] = torch.logical_not(torch.stack(self._finite).all()).to(vector.dtype)
         return vector
 
     def _drop_round(self, where: str) -> StepMetrics:
