@@ -1,9 +1,10 @@
-"""A/B test of one engine option on the emulated cluster: bench_e2e runs with options A and B,
-alternated (A, B, A, B, ...) so both see the same drift in outside load, each run with Lightning
-``ddp`` beside the engine schemes. Every engine step time is compared as its ratio to the ddp of
-the same run, which cancels most of the load the run saw.
+"""A/B test of one engine option, or of two commits, on the emulated cluster: bench_e2e runs with
+options (or code) A and B, alternated (A, B, A, B, ...) so both see the same drift in outside load,
+each run with Lightning ``ddp`` beside the engine schemes. Every engine step time is compared as its
+ratio to the ddp of the same run, which cancels most of the load the run saw.
 
     python -m experiments.ab_engine_options --name ab_first_buffer --b '{"first_buffer_mb": 1}'
+    python -m experiments.ab_engine_options --name ab_vote --a-rev HEAD~1 --b '{}'   # code A/B
 
     python -m experiments.ab_engine_options --name ab_first_buffer --from-csv   # table and plot only
 
@@ -23,19 +24,21 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from experiments.bench_e2e import ENGINE_SCHEMES, RESULTS
+from experiments.bench_e2e import ENGINE_SCHEMES, REPO, RESULTS
 
-FIELDS = ("variant", "options", "repeat", "world", "workload", "rate", "scheme", "step_ms", "ddp_step_ms", "x_ddp_step")
+FIELDS = ("variant", "options", "revision", "repeat", "world", "workload", "rate", "scheme", "step_ms", "ddp_step_ms", "x_ddp_step")
 
 
-def run_variant(args: argparse.Namespace, variant: str, options: str, repeat: int, scratch: Path) -> list[dict]:
+def run_variant(
+    args: argparse.Namespace, variant: str, options: str, checkout: Path, revision: str, repeat: int, scratch: Path
+) -> list[dict]:
     name = f"{variant}_{repeat}"
     command = [
         sys.executable, "-m", "experiments.bench_e2e", "--worlds", *map(str, args.worlds), "--rates", *args.rates,
         "--workloads", *args.workloads, "--schemes", "ddp", *args.schemes, "--acc-steps", "0", "--key-repeats", "1",
         "--engine-options", options, "--out", str(scratch), "--name", name, "--no-report",
     ]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=checkout)
     with open(scratch / f"{name}.csv", newline="") as handle:
         summary = list(csv.DictReader(handle))
     ddp = {(r["world"], r["workload"], r["rate"]): float(r["step_ms"]) for r in summary if r["scheme"] == "ddp"}
@@ -46,7 +49,7 @@ def run_variant(args: argparse.Namespace, variant: str, options: str, repeat: in
         reference = ddp[(r["world"], r["workload"], r["rate"])]
         step = float(r["step_ms"])
         rows.append(
-            dict(variant=variant, options=options, repeat=repeat, world=r["world"], workload=r["workload"], rate=r["rate"],
+            dict(variant=variant, options=options, revision=revision, repeat=repeat, world=r["world"], workload=r["workload"], rate=r["rate"],
                  scheme=r["scheme"], step_ms=f"{step:.1f}", ddp_step_ms=f"{reference:.1f}", x_ddp_step=f"{step / reference:.3f}")
         )
     return rows
@@ -54,6 +57,20 @@ def run_variant(args: argparse.Namespace, variant: str, options: str, repeat: in
 
 def _runs(values: list[float], median: float) -> str:
     return ", ".join(f"{v:.2f}" for v in values) + f" (**{median:.2f}**)"
+
+
+def checkout_of(revision: str | None, scratch: Path) -> tuple[Path, str]:
+    """The repository itself (the working tree) or a detached worktree of ``revision``."""
+    if revision is None:
+        return REPO, "working tree"
+    commit = subprocess.run(["git", "rev-parse", "--short", revision], cwd=REPO, check=True, capture_output=True, text=True).stdout.strip()
+    path = scratch / f"rev_{commit}"
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=REPO, check=True, capture_output=True)
+    return path, commit
+
+
+def label(options: str, revision: str) -> str:
+    return options if revision in ("", "working tree") else f"{options} at {revision}"
 
 
 def markdown(rows: list[dict], a: str, b: str) -> str:
@@ -98,15 +115,17 @@ def plot(rows: list[dict], a: str, b: str, path: Path) -> None:
 
 
 def write_outputs(rows: list[dict], out: Path, name: str) -> None:
-    options = {r["variant"]: r["options"] for r in rows}
-    (out / f"{name}.md").write_text(markdown(rows, options["A"], options["B"]))
-    plot(rows, options["A"], options["B"], out / f"{name}.png")
+    labels = {r["variant"]: label(r["options"], r.get("revision", "")) for r in rows}
+    (out / f"{name}.md").write_text(markdown(rows, labels["A"], labels["B"]))
+    plot(rows, labels["A"], labels["B"], out / f"{name}.png")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a", default="{}", help="engine options of variant A, as JSON (default: the defaults)")
     parser.add_argument("--b", help="engine options of variant B, as JSON")
+    parser.add_argument("--a-rev", help="run variant A from this git revision (default: the working tree)")
+    parser.add_argument("--b-rev", help="run variant B from this git revision (default: the working tree)")
     parser.add_argument("--name", required=True, help="file stem of the results")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, alternated")
     parser.add_argument("--worlds", type=int, nargs="+", default=[4])
@@ -127,10 +146,16 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{label} must be a JSON object of SSFusionStrategy keyword arguments, got {options!r}")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as scratch:
-        for repeat in range(args.repeats):
-            for variant, options in (("A", args.a), ("B", args.b)):
-                rows += run_variant(args, variant, options, repeat, Path(scratch))
-                print(f"repeat {repeat} variant {variant} done", flush=True)
+        variants = [("A", args.a, *checkout_of(args.a_rev, Path(scratch))), ("B", args.b, *checkout_of(args.b_rev, Path(scratch)))]
+        try:
+            for repeat in range(args.repeats):
+                for variant, options, checkout, revision in variants:
+                    rows += run_variant(args, variant, options, checkout, revision, repeat, Path(scratch))
+                    print(f"repeat {repeat} variant {variant} done", flush=True)
+        finally:
+            for _, _, checkout, _ in variants:
+                if checkout != REPO:
+                    subprocess.run(["git", "worktree", "remove", "--force", str(checkout)], cwd=REPO, capture_output=True)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / f"{args.name}.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, FIELDS)
