@@ -4,7 +4,7 @@ each run with Lightning ``ddp`` beside the engine schemes. Every engine step tim
 ratio to the ddp of the same run, which cancels most of the load the run saw.
 
     python -m experiments.ab_engine_options --name ab_first_buffer --b '{"first_buffer_mb": 1}'
-    python -m experiments.ab_engine_options --name ab_vote --a-rev HEAD~1 --b '{}'   # code A/B
+    python -m experiments.ab_engine_options --name ab_vote --a-rev HEAD~1   # code A/B
 
     python -m experiments.ab_engine_options --name ab_first_buffer --from-csv   # table and plot only
 
@@ -123,7 +123,7 @@ def write_outputs(rows: list[dict], out: Path, name: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a", default="{}", help="engine options of variant A, as JSON (default: the defaults)")
-    parser.add_argument("--b", help="engine options of variant B, as JSON")
+    parser.add_argument("--b", default="{}", help="engine options of variant B, as JSON (default: the defaults)")
     parser.add_argument("--a-rev", help="run variant A from this git revision (default: the working tree)")
     parser.add_argument("--b-rev", help="run variant B from this git revision (default: the working tree)")
     parser.add_argument("--name", required=True, help="file stem of the results")
@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out / f"{args.name}.csv", newline="") as handle:
             write_outputs(list(csv.DictReader(handle)), args.out, args.name)
         return
-    if args.b is None:
-        parser.error("--b is required unless --from-csv")
+    if args.a == args.b and args.a_rev == args.b_rev:
+        parser.error("A and B are the same: give --b (options) or --a-rev/--b-rev (code) that differ")
     for label, options in (("--a", args.a), ("--b", args.b)):
         if not isinstance(json.loads(options), dict):
             raise SystemExit(f"{label} must be a JSON object of SSFusionStrategy keyword arguments, got {options!r}")
