@@ -69,7 +69,7 @@ def checkout_of(revision: str | None, scratch: Path) -> tuple[Path, str]:
     return path, commit
 
 
-def label(options: str, revision: str) -> str:
+def variant_label(options: str, revision: str) -> str:
     return options if revision in ("", "working tree") else f"{options} at {revision}"
 
 
@@ -115,7 +115,7 @@ def plot(rows: list[dict], a: str, b: str, path: Path) -> None:
 
 
 def write_outputs(rows: list[dict], out: Path, name: str) -> None:
-    labels = {r["variant"]: label(r["options"], r.get("revision", "")) for r in rows}
+    labels = {r["variant"]: variant_label(r["options"], r.get("revision", "")) for r in rows}
     (out / f"{name}.md").write_text(markdown(rows, labels["A"], labels["B"]))
     plot(rows, labels["A"], labels["B"], out / f"{name}.png")
 
@@ -141,13 +141,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.a == args.b and args.a_rev == args.b_rev:
         parser.error("A and B are the same: give --b (options) or --a-rev/--b-rev (code) that differ")
-    for label, options in (("--a", args.a), ("--b", args.b)):
+    for flag, options in (("--a", args.a), ("--b", args.b)):
         if not isinstance(json.loads(options), dict):
-            raise SystemExit(f"{label} must be a JSON object of SSFusionStrategy keyword arguments, got {options!r}")
+            raise SystemExit(f"{flag} must be a JSON object of SSFusionStrategy keyword arguments, got {options!r}")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as scratch:
-        variants = [("A", args.a, *checkout_of(args.a_rev, Path(scratch))), ("B", args.b, *checkout_of(args.b_rev, Path(scratch)))]
+        variants: list[tuple[str, str, Path, str]] = []
         try:
+            for variant, options, revision in (("A", args.a, args.a_rev), ("B", args.b, args.b_rev)):
+                variants.append((variant, options, *checkout_of(revision, Path(scratch))))
             for repeat in range(args.repeats):
                 for variant, options, checkout, revision in variants:
                     rows += run_variant(args, variant, options, checkout, revision, repeat, Path(scratch))

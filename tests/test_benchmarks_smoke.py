@@ -225,7 +225,7 @@ def test_report_ab_tables_come_from_the_committed_csvs(stem):
     if not (RESULTS / f"{stem}.csv").exists():
         pytest.skip(f"no committed {stem} results")
     rows = bench_e2e.read_csv(RESULTS / f"{stem}.csv")
-    labels = {r["variant"]: ab_engine_options.label(r["options"], r.get("revision", "")) for r in rows}
+    labels = {r["variant"]: ab_engine_options.variant_label(r["options"], r.get("revision", "")) for r in rows}
     table = ab_engine_options.markdown(rows, labels["A"], labels["B"])
     assert (RESULTS / f"{stem}.md").read_text() == table
     assert table in (RESULTS.parent / "REPORT.md").read_text()
