@@ -87,6 +87,10 @@ class Profiler:
             self.backward[name].append(now - self._last_ready)
         self._last_ready = now
 
+    def resume(self) -> None:
+        """The backward goes on after work the engine did on its thread between two gradients."""
+        self._last_ready = time.perf_counter()
+
     def compressed(self, numel: int, seconds: float) -> None:
         self.compress.append((numel, seconds))
 

@@ -58,18 +58,17 @@ def build_engine(
 
 
 def record_encodings(engine):
-    """Wrap the policy's compress so every buffer's encoding of this round is kept."""
+    """Wrap the communicator's launch so every buffer's encoding of this round is kept."""
     records = []
-    compress = engine.policy.compress
+    launch = engine.communicator.launch
 
-    def recording(buffer, grads, dense_out, ctx):
-        encoded = compress(buffer, grads, dense_out, ctx)
+    def recording(encoded, buffer, channels):
         records.append((buffer, None if encoded.dense is None else encoded.dense.clone(),
                         None if encoded.values is None else encoded.values.clone(),
                         None if encoded.indices is None else encoded.indices.clone()))
-        return encoded
+        return launch(encoded, buffer, channels)
 
-    engine.policy.compress = recording
+    engine.communicator.launch = recording
     return records
 
 
@@ -156,6 +155,9 @@ def test_no_tensor_is_missing_except_behind(pool2):
         for fusion in ("ahead", "aligned", "selective"):
             counts = slot_counts(rank_result[(fusion, "allgather")][0])
             assert min(counts.values()) >= 1, (fusion, counts)
+        # behind spends the same budget, the sum of the tensors' k, over the whole buffer
+        for buffer, _, values, _ in rank_result[("behind", "allgather")][0]:
+            assert values.numel() == sum(slot.k for slot in buffer.slots), buffer.index
 
 
 class SmallBesideLarge(nn.Module):
@@ -182,7 +184,7 @@ def tensor_missing_run(fusion):
 def test_behind_can_leave_a_small_tensor_out_and_ahead_cannot(pool2):
     behind = pool2.run(tensor_missing_run, "behind")[0]
     ahead = pool2.run(tensor_missing_run, "ahead")[0]
-    assert behind["small"] == 0 and behind["large"] == 20
+    assert behind["small"] == 0 and behind["large"] == 21  # the same budget, k_small + k_large, all to large
     assert ahead["small"] == 1 and ahead["large"] == 20
 
 

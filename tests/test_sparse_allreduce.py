@@ -22,7 +22,7 @@ from ssfusion_lightning.comm.zen import ZenCommunicator, pack_bits, unpack_bits,
 
 SCHEMES = ("allgather", "zen", "sparcml")
 PATTERNS = ("random", "identical", "disjoint", "skewed", "empty")
-X = 8  # bytes per index on the wire
+X = 4  # every scheme sends positions as int32 (numel < 2**31)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -71,15 +71,12 @@ def sparse_view(dense):
 
 
 # ----------------------------------------------------------------------------- byte formulas
-AG_X = 4  # the allgather sends positions as int32 (numel < 2**31)
-
-
 def allgather_bytes(inputs, rank, vbytes):
     """One 8-byte count per peer, then each rank's pairs (padding and the count header not counted)."""
     world = len(inputs)
     counts = [v.numel() for v, _ in inputs]
     small = (world - 1) * 8
-    pair = vbytes + AG_X
+    pair = vbytes + X
     return small + (world - 1) * counts[rank] * pair, small + (sum(counts) - counts[rank]) * pair
 
 
@@ -477,7 +474,7 @@ def test_allgather_with_count_bound_skips_the_count_exchange(pools, world, numel
         small = (world - 1) * 8
         sent, received = allgather_bytes(inputs, rank, 4)
         assert (traffic.sent, traffic.received) == (sent - small, received - small)
-        wire = (world - 1) * (math.ceil((bound + 1) * AG_X / 8) * 8 + bound * 4)
+        wire = (world - 1) * (math.ceil((bound + 1) * X / 8) * 8 + bound * 4)
         assert (traffic.padded_sent, traffic.padded_received) == (wire, wire)
     assert counts[world - 1] == 0  # an empty rank still takes part
 
@@ -487,6 +484,6 @@ def test_allgather_equal_counts_and_a_violated_bound(pools):
     expected = sparse_view(dense_sum(inputs, 1000).to(torch.float32))
     for (nz, vals), traffic in pools[3].run(run_bounded_allgather, inputs, 1000, None, True):
         assert torch.equal(nz, expected[0]) and torch.equal(vals, expected[1])
-        assert traffic.sent == 2 * 10 * (4 + AG_X)
+        assert traffic.sent == 2 * 10 * (4 + X)
     with pytest.raises(Exception, match="exceed the announced bound max_count=9"):
         pools[3].run(run_bounded_allgather, inputs, 1000, 9, False)

@@ -8,9 +8,13 @@ One round for a buffer's sparse part (``numel`` elements, each rank holding its 
 1. split and reduce: each rank sends region j's entries to rank j (all_to_all of counts, then of
    (index, value) pairs with uneven splits); the owner sums its region (fp32 for low precision).
 2. global threshold: every ``threshold_every`` rounds (and whenever the last global count left
-   [k/2, 2k]) the exact k-th largest |sum| over all regions (each owner contributes its local
-   top-k magnitudes, all-gathered); in between the stored threshold is reused and nudged (x1.1
-   when the global count was above 4k/3, x0.9 when below 2k/3). Owners keep |sum| >= threshold.
+   [k/2, 2k] or the reused threshold fell off its grid) the exact k-th largest |sum| over all
+   regions (each owner contributes its local top-k magnitudes, all-gathered); in between the
+   stored threshold is reused and nudged within the round: the owners count their entries at
+   24 geometric steps (x1.2) around it, one all-reduce of those counts, and every rank takes the
+   largest step that still keeps k entries. A nudge after the fact let the count drift to 2k and
+   the bytes past the 3(P-1)/P k(v+x) bound; the counts cost 24 integers. Owners keep
+   |sum| >= threshold.
 3. balance and allgather: the kept entries, in global index order, are re-cut into P slices of
    ceil(C/P) (all_to_all moves only what crosses a slice boundary), then one equal-sized
    all_gather gives every rank all C entries.
@@ -34,13 +38,14 @@ from torch import Tensor
 from ssfusion_lightning.comm.base import COMMUNICATORS
 from ssfusion_lightning.comm.channels import Channel
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
-from ssfusion_lightning.comm.schemes import INDEX_BYTES, accumulation_dtype
+from ssfusion_lightning.comm.schemes import COUNT_BYTES, accumulation_dtype, bytes_as, wire_index_dtype
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
 from ssfusion_lightning.engine.plan import Buffer
 from ssfusion_lightning.fusion.base import Encoded
 
-NUDGE_UP = 1.1
-NUDGE_DOWN = 0.9
+#: the reused threshold's grid: REUSE_RATIO ** j for j in [-REUSE_STEPS/2, REUSE_STEPS/2)
+REUSE_STEPS = 24
+REUSE_RATIO = 1.2
 
 
 @dataclass
@@ -74,30 +79,27 @@ class OkTopkState:
         )
 
 
-def _bytes_as(chunk: Tensor, dtype: torch.dtype) -> Tensor:
-    if chunk.storage_offset() % torch.tensor([], dtype=dtype).element_size():
-        chunk = chunk.clone()
-    return chunk.view(dtype)
-
-
-def _pairs(indices: Tensor, values: Tensor) -> Tensor:
-    return torch.cat([indices.contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)])
+def _pairs(indices: Tensor, values: Tensor, wire: torch.dtype) -> Tensor:
+    return torch.cat([indices.to(wire).contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)])
 
 
 def _exchange_pairs(
     parts: list[tuple[Tensor, Tensor]],
     recv_counts: list[int],
     dtype: torch.dtype,
+    wire: torch.dtype,
     group,
     traffic: Traffic,
 ) -> list[tuple[Tensor, Tensor]]:
-    """all_to_all_single of (index, value) pairs: ``parts[j]`` goes to rank j; own part stays."""
+    """all_to_all_single of (position, value) pairs, positions as ``wire``: ``parts[j]`` goes to
+    rank j; own part stays."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
     device = parts[me][0].device
-    pair = INDEX_BYTES + torch.tensor([], dtype=dtype).element_size()
+    xbytes = torch.tensor([], dtype=wire).element_size()
+    pair = xbytes + torch.tensor([], dtype=dtype).element_size()
     in_splits = [0 if j == me else parts[j][0].numel() * pair for j in range(world)]
     out_splits = [0 if j == me else recv_counts[j] * pair for j in range(world)]
-    segments = [_pairs(*parts[j]) for j in range(world) if j != me and parts[j][0].numel()]
+    segments = [_pairs(*parts[j], wire) for j in range(world) if j != me and parts[j][0].numel()]
     inbox = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
     outbox = torch.cat(segments) if segments else inbox.new_empty(0)
     dist.all_to_all_single(inbox, outbox, out_splits, in_splits, group=group)
@@ -107,8 +109,8 @@ def _exchange_pairs(
         if j == me:
             got.append(parts[me])
             continue
-        cut = recv_counts[j] * INDEX_BYTES
-        got.append((_bytes_as(chunk[:cut], torch.int64), _bytes_as(chunk[cut:], dtype)))
+        cut = recv_counts[j] * xbytes
+        got.append((bytes_as(chunk[:cut], wire).to(torch.int64), bytes_as(chunk[cut:], dtype)))
     return got
 
 
@@ -117,7 +119,7 @@ def _all_gather_counts(count: int, group, device: torch.device, traffic: Traffic
     mine = torch.tensor([count], dtype=torch.int64, device=device)
     out = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(out, mine, group=group)
-    traffic.add((world - 1) * INDEX_BYTES, (world - 1) * INDEX_BYTES)
+    traffic.add((world - 1) * COUNT_BYTES, (world - 1) * COUNT_BYTES)
     return [int(c.item()) for c in out]
 
 
@@ -131,10 +133,43 @@ def rebalance_boundaries(indices: Tensor, numel: int, group, traffic: Traffic) -
     else:
         quantiles = (j * numel) // world
     dist.all_reduce(quantiles, group=group)
-    nbytes = ring_allreduce_bytes(world - 1, INDEX_BYTES, world)
+    nbytes = ring_allreduce_bytes(world - 1, COUNT_BYTES, world)
     traffic.add(nbytes, nbytes)
     edges = torch.cat([quantiles.new_zeros(1), quantiles // world, quantiles.new_full((1,), numel)])
     return torch.cummax(edges.clamp(0, numel), 0).values
+
+
+def count_at_least(magnitude: Tensor, edges: Tensor) -> Tensor:
+    """How many entries of ``magnitude`` are >= each edge (edges in magnitude's dtype)."""
+    ordered = torch.sort(magnitude).values
+    return magnitude.numel() - torch.searchsorted(ordered, edges, right=False)
+
+
+def reuse_threshold(magnitude: Tensor, threshold: float, k: int, group, traffic: Traffic) -> tuple[float, bool]:
+    """The stored threshold nudged within the round: the largest step of a geometric grid around
+    it whose global count still reaches k, refined once on a linear grid up to the next step
+    (error feedback piles magnitudes up just below past thresholds, so one coarse step can
+    double the count); also whether the grid missed (then the next round computes it exactly)."""
+    exponents = torch.arange(REUSE_STEPS, dtype=torch.float64) - REUSE_STEPS // 2
+    coarse = threshold * REUSE_RATIO**exponents
+    step, reaching = _largest_reaching(magnitude, coarse, k, group, traffic)
+    if not 0 < reaching < REUSE_STEPS:
+        return step, True
+    fine = torch.linspace(step, step * REUSE_RATIO, REUSE_STEPS + 1, dtype=torch.float64)[:-1]
+    return _largest_reaching(magnitude, fine, k, group, traffic)[0], False
+
+
+def _largest_reaching(magnitude: Tensor, grid: Tensor, k: int, group, traffic: Traffic) -> tuple[float, int]:
+    """(the largest grid value whose global count of |sum| >= it reaches k, how many reach k)."""
+    # rounded to the magnitudes' dtype first, so counting here and keeping later compare alike
+    edges = grid.to(device=magnitude.device, dtype=magnitude.dtype)
+    counts = count_at_least(magnitude, edges)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+        nbytes = ring_allreduce_bytes(edges.numel(), COUNT_BYTES, dist.get_world_size(group))
+        traffic.add(nbytes, nbytes)
+    reaching = int((counts >= k).sum())  # counts fall as the edge grows: a prefix reaches k
+    return float(edges[min(max(reaching - 1, 0), edges.numel() - 1)]), reaching
 
 
 def oktopk_reduce(
@@ -152,6 +187,7 @@ def oktopk_reduce(
     me, world = dist.get_rank(group), dist.get_world_size(group)
     device, dtype = values.device, values.dtype
     acc = accumulation_dtype(dtype)
+    wire = wire_index_dtype(numel)
     indices = indices.to(torch.int64)
     k = max(1, min(int(k), numel))
 
@@ -168,12 +204,12 @@ def oktopk_reduce(
     if world > 1:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
-        traffic.add((world - 1) * INDEX_BYTES, (world - 1) * INDEX_BYTES)
+        traffic.add((world - 1) * COUNT_BYTES, (world - 1) * COUNT_BYTES)
     else:
         recv = send
     counts = send.tolist()
     parts = list(zip(torch.split(indices, counts), torch.split(values, counts)))
-    got = _exchange_pairs(parts, recv.tolist(), dtype, group, traffic) if world > 1 else parts
+    got = _exchange_pairs(parts, recv.tolist(), dtype, wire, group, traffic) if world > 1 else parts
     all_idx = torch.cat([g[0] for g in got])
     region_idx, inverse = torch.unique(all_idx, sorted=True, return_inverse=True)
     region_sum = torch.zeros(region_idx.numel(), dtype=acc, device=device)
@@ -202,6 +238,9 @@ def oktopk_reduce(
         else:
             candidates = local_top
         state.threshold = float(torch.topk(candidates, k).values.min()) if candidates.numel() > k else 0.0
+    missed = False
+    if not exact:
+        state.threshold, missed = reuse_threshold(magnitude, state.threshold, k, group, traffic)
     keep = magnitude >= state.threshold
     kept_idx, kept_val = region_idx[keep], region_sum[keep].to(dtype)  # the one cast, by the owner
 
@@ -218,39 +257,37 @@ def oktopk_reduce(
         out_counts = [overlap(starts[me], starts[me] + sizes[me], t) for t in range(world)]
         in_counts = [overlap(starts[j], starts[j] + sizes[j], me) for j in range(world)]
         pieces = list(zip(torch.split(kept_idx, out_counts), torch.split(kept_val, out_counts)))
-        held = _exchange_pairs(pieces, in_counts, dtype, group, traffic)
+        held = _exchange_pairs(pieces, in_counts, dtype, wire, group, traffic)
         slice_idx = torch.cat([h[0] for h in held])
         slice_val = torch.cat([h[1] for h in held])
-        pair = INDEX_BYTES + values.element_size()
+        xbytes = torch.tensor([], dtype=wire).element_size()
+        pair = xbytes + values.element_size()
         n_mine = slice_idx.numel()
-        message = torch.zeros(chunk * pair, dtype=torch.uint8, device=device)
-        message[: chunk * INDEX_BYTES].view(torch.int64)[:n_mine] = slice_idx
-        message[chunk * INDEX_BYTES :].view(dtype)[:n_mine] = slice_val
+        # positions then values, each region padded to a multiple of 8 bytes so any dtype can view it
+        split = -(-chunk * xbytes // 8) * 8
+        message = torch.zeros(split + chunk * values.element_size(), dtype=torch.uint8, device=device)
+        message[:split].view(wire)[:n_mine] = slice_idx.to(wire)
+        message[split:].view(dtype)[:n_mine] = slice_val
         gathered = [torch.empty_like(message) for _ in range(world)]
         dist.all_gather(gathered, message, group=group)
         traffic.add(
             (world - 1) * n_mine * pair,
             (total_count - n_mine) * pair,
-            (world - 1) * chunk * pair,
-            (world - 1) * chunk * pair,
+            (world - 1) * message.numel(),
+            (world - 1) * message.numel(),
         )
         held_counts = [overlap(0, total_count, t) for t in range(world)]
-        out_idx = torch.cat([g[: chunk * INDEX_BYTES].view(torch.int64)[:n] for g, n in zip(gathered, held_counts)])
-        out_val = torch.cat([g[chunk * INDEX_BYTES :].view(dtype)[:n] for g, n in zip(gathered, held_counts)])
+        out_idx = torch.cat([g[:split].view(wire)[:n].to(torch.int64) for g, n in zip(gathered, held_counts)])
+        out_val = torch.cat([g[split:].view(dtype)[:n] for g, n in zip(gathered, held_counts)])
     else:  # one rank, or nothing kept anywhere
         out_idx, out_val = kept_idx, kept_val
     total = torch.zeros(numel, dtype=dtype, device=device)
     total[out_idx] = out_val
 
     # threshold bookkeeping, from the global count (identical on every rank)
-    if not exact:
-        if total_count > 4 * k / 3:
-            state.threshold *= NUDGE_UP
-        elif total_count < 2 * k / 3:
-            state.threshold *= NUDGE_DOWN
     state.rounds += 1
     state.last_count = total_count
-    state.exact_next = state.rounds % threshold_every == 0 or not (k / 2 <= total_count <= 2 * k)
+    state.exact_next = state.rounds % threshold_every == 0 or missed or not (k / 2 <= total_count <= 2 * k)
     return total, out_idx
 
 

@@ -34,7 +34,8 @@ class SparseScheme(Protocol):
 
 SPARSE_SCHEMES: Registry[SparseScheme] = Registry("sparse allreduce scheme")
 
-INDEX_BYTES = 8
+#: counts and message headers travel as int64
+COUNT_BYTES = 8
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -42,15 +43,34 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def pack(values: Tensor, indices: Tensor) -> Tensor:
-    """One byte tensor holding indices (int64) then values, so one collective moves both."""
-    return torch.cat([indices.to(torch.int64).contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)])
+def wire_index_dtype(numel: int) -> torch.dtype:
+    """Positions travel as int32 when they fit (any fusion buffer does): a third fewer bytes per
+    fp32 pair. Every scheme uses it, so byte comparisons between schemes are fair."""
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
 
 
-def unpack(message: Tensor, count: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    split = count * INDEX_BYTES
-    indices = message[:split].view(torch.int64)
-    values = message[split : split + count * torch.tensor([], dtype=dtype).element_size()].view(dtype)
+def index_bytes(numel: int) -> int:
+    """Bytes per position on the wire for a tensor of ``numel`` elements."""
+    return 4 if wire_index_dtype(numel) == torch.int32 else 8
+
+
+def bytes_as(chunk: Tensor, dtype: torch.dtype) -> Tensor:
+    """View a uint8 slice as ``dtype``, copying first when the slice is not aligned for it."""
+    if chunk.storage_offset() % torch.tensor([], dtype=dtype).element_size():
+        chunk = chunk.clone()
+    return chunk.view(dtype)
+
+
+def pack(values: Tensor, indices: Tensor, index_dtype: torch.dtype) -> Tensor:
+    """One byte tensor holding the positions (``index_dtype``) then the values, so one collective moves both."""
+    return torch.cat([indices.to(index_dtype).contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)])
+
+
+def unpack(message: Tensor, count: int, dtype: torch.dtype, index_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Inverse of ``pack``: (values, int64 positions)."""
+    split = count * torch.tensor([], dtype=index_dtype).element_size()
+    indices = bytes_as(message[:split], index_dtype).to(torch.int64)
+    values = bytes_as(message[split : split + count * torch.tensor([], dtype=dtype).element_size()], dtype)
     return values, indices
 
 
@@ -59,13 +79,8 @@ def exchange_counts(count: int, group: dist.ProcessGroup | None, device: torch.d
     mine = torch.tensor([count], dtype=torch.int64, device=device)
     counts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(counts, mine, group=group)
-    traffic.add((world - 1) * INDEX_BYTES, (world - 1) * INDEX_BYTES)
+    traffic.add((world - 1) * COUNT_BYTES, (world - 1) * COUNT_BYTES)
     return [int(c.item()) for c in counts]
-
-
-def wire_index_dtype(numel: int) -> torch.dtype:
-    """Positions travel as int32 when they fit (any fusion buffer does): a third fewer bytes per pair."""
-    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
 
 
 @SPARSE_SCHEMES.register("allgather")

@@ -7,8 +7,8 @@ P = 2^q + r, the first 2r ranks pair up, each odd one folds its set into its eve
 sits out; the 2^q remaining ranks run the doubling; at the end every folded rank gets the result
 back from its neighbour.
 
-Every message is an 8-byte header (2 * count + summed flag) then ``count`` int64 indices and
-values. Raw (not yet summed) values travel in their own dtype; partial sums of low-precision
+Every message is an 8-byte header (2 * count + summed flag) then ``count`` positions (int32
+when the tensor has fewer than 2^31 elements) and values. Raw (not yet summed) values travel in their own dtype; partial sums of low-precision
 values travel in fp32 and are cast once at the end. Both partners merge the same two sets in the
 same order (lower rank first), so all ranks end bitwise identical.
 """
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ssfusion_lightning.comm.base import COMMUNICATORS
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
-from ssfusion_lightning.comm.schemes import INDEX_BYTES, SPARSE_SCHEMES, accumulation_dtype, pack, unpack
+from ssfusion_lightning.comm.schemes import COUNT_BYTES, SPARSE_SCHEMES, accumulation_dtype, pack, unpack, wire_index_dtype
 from ssfusion_lightning.comm.traffic import Traffic
 
 
@@ -56,6 +56,7 @@ def _send_recv(
     receive: bool,
     dtype: torch.dtype,
     acc: torch.dtype,
+    index_dtype: torch.dtype,
     group: dist.ProcessGroup | None,
     traffic: Traffic,
     device: torch.device,
@@ -74,15 +75,16 @@ def _send_recv(
     sent_bytes = received_bytes = 0
     works, inbox, got = [], None, None
     if send is not None:
-        sent_bytes = INDEX_BYTES + send[0].numel() * (INDEX_BYTES + send[1].element_size())
+        position_bytes = torch.tensor([], dtype=index_dtype).element_size()
+        sent_bytes = COUNT_BYTES + send[0].numel() * (position_bytes + send[1].element_size())
         if send[0].numel():
-            works.append(dist.isend(pack(send[1], send[0]), peer, group=group))
+            works.append(dist.isend(pack(send[1], send[0], index_dtype), peer, group=group))
     if receive:
         word = int(header_in.item())
         count, summed = word // 2, bool(word % 2)
         wire = acc if summed else dtype
-        size = count * (INDEX_BYTES + torch.tensor([], dtype=wire).element_size())
-        received_bytes = INDEX_BYTES + size
+        size = count * (torch.tensor([], dtype=index_dtype).element_size() + torch.tensor([], dtype=wire).element_size())
+        received_bytes = COUNT_BYTES + size
         inbox = torch.empty(size, dtype=torch.uint8, device=device)
         if size:
             works.append(dist.irecv(inbox, peer, group=group))
@@ -93,7 +95,7 @@ def _send_recv(
     if got is None:
         return None
     count, summed, wire = got
-    values, indices = unpack(inbox, count, wire)
+    values, indices = unpack(inbox, count, wire, index_dtype)
     return indices, values, summed
 
 
@@ -110,16 +112,17 @@ def sparcml_sum(
     in each message's header, so neither ``equal_counts`` nor ``max_count`` saves a round."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
     dtype, acc, device = values.dtype, accumulation_dtype(values.dtype), values.device
+    wire = wire_index_dtype(numel)
     idx, val, summed = _coalesce(indices.to(torch.int64), values, acc)
     core = 1 << (world.bit_length() - 1)
     extra = world - core
     # fold: among the first 2*extra ranks, odd ranks hand their set to their even neighbour
     if me < 2 * extra and me % 2 == 1:
-        _send_recv(me - 1, (idx, val, summed), False, dtype, acc, group, traffic, device)
-        idx, val, _ = _send_recv(me - 1, None, True, dtype, acc, group, traffic, device)
+        _send_recv(me - 1, (idx, val, summed), False, dtype, acc, wire, group, traffic, device)
+        idx, val, _ = _send_recv(me - 1, None, True, dtype, acc, wire, group, traffic, device)
     else:
         if me < 2 * extra:
-            other = _send_recv(me + 1, None, True, dtype, acc, group, traffic, device)
+            other = _send_recv(me + 1, None, True, dtype, acc, wire, group, traffic, device)
             idx, val = _merge((idx, val), other[:2], acc)
             summed = True
         my_core = me // 2 if me < 2 * extra else me - extra
@@ -127,14 +130,14 @@ def sparcml_sum(
         while mask < core:
             partner_core = my_core ^ mask
             partner = 2 * partner_core if partner_core < extra else partner_core + extra
-            other = _send_recv(partner, (idx, val, summed), True, dtype, acc, group, traffic, device)
+            other = _send_recv(partner, (idx, val, summed), True, dtype, acc, wire, group, traffic, device)
             mine = (idx, val)
             idx, val = _merge(mine, other[:2], acc) if me < partner else _merge(other[:2], mine, acc)
             summed = True
             mask <<= 1
         val = val.to(dtype)  # the one cast
         if me < 2 * extra:
-            _send_recv(me + 1, (idx, val, False), False, dtype, acc, group, traffic, device)
+            _send_recv(me + 1, (idx, val, False), False, dtype, acc, wire, group, traffic, device)
     total = torch.zeros(numel, dtype=dtype, device=values.device)
     total[idx] = val.to(dtype)
     return total
@@ -143,7 +146,9 @@ def sparcml_sum(
 SPARSE_SCHEMES.register("sparcml")(sparcml_sum)
 
 
-def sparcml_expected_bytes(rank_indices: list[Tensor], value_bytes: int, acc_bytes: int | None = None) -> list[tuple[int, int]]:
+def sparcml_expected_bytes(
+    rank_indices: list[Tensor], value_bytes: int, acc_bytes: int | None = None, position_bytes: int = 4
+) -> list[tuple[int, int]]:
     """Exact (sent, received) bytes of ``sparcml_sum`` per rank from the ranks' index sets.
 
     Section 7's "sum over rounds of the union sizes * (v+x)" made exact: every message carries an
@@ -158,7 +163,7 @@ def sparcml_expected_bytes(rank_indices: list[Tensor], value_bytes: int, acc_byt
     sent, received = [0] * world, [0] * world
 
     def message(src: int, dst: int, count: int, vbytes: int) -> None:
-        nbytes = INDEX_BYTES + count * (INDEX_BYTES + vbytes)
+        nbytes = COUNT_BYTES + count * (position_bytes + vbytes)
         sent[src] += nbytes
         received[dst] += nbytes
 

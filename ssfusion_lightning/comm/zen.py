@@ -11,7 +11,7 @@ Scheme ``zen`` (ALGORITHMS.md section 7):
    ``I_i``.
 3. pull: each owner sends its aggregated partition to every other rank either as a hash bitmap
    (one bit per element of ``I_i`` plus the nonzero values in ``I_i`` order) or as COO
-   (int64 index + value per nonzero), whichever is smaller. The nonzero counts are all-gathered
+   (position + value per nonzero), whichever is smaller. The nonzero counts are all-gathered
    first (equal-sized), so every receiver knows each owner's message size and format.
 
 Only the owner sums a position, and everybody receives the owner's (already cast) values, so
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-import time
 from typing import Any
 
 import torch
@@ -33,8 +32,9 @@ from ssfusion_lightning.comm import sparcml as _sparcml  # noqa: F401  (register
 from ssfusion_lightning.comm.base import COMMUNICATORS
 from ssfusion_lightning.comm.channels import Channel
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
-from ssfusion_lightning.comm.schemes import INDEX_BYTES, SPARSE_SCHEMES, accumulation_dtype
-from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
+from ssfusion_lightning.comm.schemes import COUNT_BYTES, SPARSE_SCHEMES, accumulation_dtype, bytes_as, index_bytes, wire_index_dtype
+from ssfusion_lightning.comm.traffic import Traffic
+from ssfusion_lightning.costmodel import Link, measure_link
 from ssfusion_lightning.engine.plan import Buffer
 from ssfusion_lightning.fusion.base import Encoded
 
@@ -156,21 +156,14 @@ def unpack_bits(packed: Tensor, n: int) -> Tensor:
     return x.view(torch.uint8)[:n].view(torch.bool)
 
 
-def pull_message_bytes(size: int, nonzeros: int, value_bytes: int) -> tuple[int, bool]:
+def pull_message_bytes(size: int, nonzeros: int, value_bytes: int, position_bytes: int) -> tuple[int, bool]:
     """(bytes, as_bitmap) of an owner's pull message: the smaller of bitmap and COO (COO on a tie)."""
     bitmap = (size + 7) // 8 + nonzeros * value_bytes
-    coo = nonzeros * (INDEX_BYTES + value_bytes)
+    coo = nonzeros * (position_bytes + value_bytes)
     return (bitmap, True) if bitmap < coo else (coo, False)
 
 
 # --------------------------------------------------------------------------- the scheme
-def _bytes_as(chunk: Tensor, dtype: torch.dtype) -> Tensor:
-    """View a uint8 slice as ``dtype``, copying first when the slice is not aligned for it."""
-    if chunk.storage_offset() % torch.tensor([], dtype=dtype).element_size():
-        chunk = chunk.clone()
-    return chunk.view(dtype)
-
-
 def _group_rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
@@ -189,6 +182,7 @@ def zen_sum(
     device, dtype = values.device, values.dtype
     acc = accumulation_dtype(dtype)
     vbytes = values.element_size()
+    wire, xbytes = wire_index_dtype(numel), index_bytes(numel)
     indices = indices.to(torch.int64)
     if world == 1:
         total = torch.zeros(numel, dtype=acc, device=device)
@@ -203,16 +197,16 @@ def zen_sum(
     send_counts = torch.bincount(owner, minlength=world)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    traffic.add((world - 1) * INDEX_BYTES, (world - 1) * INDEX_BYTES)
+    traffic.add((world - 1) * COUNT_BYTES, (world - 1) * COUNT_BYTES)
     sends, recvs = send_counts.tolist(), recv_counts.tolist()
-    pair = INDEX_BYTES + vbytes
+    pair = xbytes + vbytes
     idx_parts, val_parts = torch.split(indices, sends), torch.split(values, sends)
     segments, in_splits = [], []
     for j in range(world):
         if j == me:
             in_splits.append(0)
             continue
-        segments += [idx_parts[j].contiguous().view(torch.uint8), val_parts[j].contiguous().view(torch.uint8)]
+        segments += [idx_parts[j].to(wire).contiguous().view(torch.uint8), val_parts[j].contiguous().view(torch.uint8)]
         in_splits.append(sends[j] * pair)
     out_splits = [0 if j == me else recvs[j] * pair for j in range(world)]
     inbox = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
@@ -225,9 +219,9 @@ def zen_sum(
     for j, chunk in enumerate(torch.split(inbox, out_splits)):
         if j == me or recvs[j] == 0:
             continue
-        cut = recvs[j] * INDEX_BYTES
-        got_idx.append(_bytes_as(chunk[:cut], torch.int64))
-        got_val.append(_bytes_as(chunk[cut:], dtype))
+        cut = recvs[j] * xbytes
+        got_idx.append(bytes_as(chunk[:cut], wire).to(torch.int64))
+        got_val.append(bytes_as(chunk[cut:], dtype))
     local = torch.zeros(part.sizes[me], dtype=acc, device=device)
     local.index_add_(0, part.local_slots(me, torch.cat(got_idx)), torch.cat(got_val).to(acc))
 
@@ -238,14 +232,14 @@ def zen_sum(
     count = torch.tensor([nz.numel()], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
-    traffic.add((world - 1) * INDEX_BYTES, (world - 1) * INDEX_BYTES)
+    traffic.add((world - 1) * COUNT_BYTES, (world - 1) * COUNT_BYTES)
     nonzeros = [int(c.item()) for c in counts]
-    formats = [pull_message_bytes(part.sizes[j], nonzeros[j], vbytes) for j in range(world)]
+    formats = [pull_message_bytes(part.sizes[j], nonzeros[j], vbytes, xbytes) for j in range(world)]
     size, as_bitmap = formats[me]
     if as_bitmap:
         message = torch.cat([pack_bits(present), mine_values.view(torch.uint8)])
     else:
-        message = torch.cat([part.sets[me][nz].to(torch.int64).view(torch.uint8), mine_values.view(torch.uint8)])
+        message = torch.cat([part.sets[me][nz].to(wire).view(torch.uint8), mine_values.view(torch.uint8)])
     assert message.numel() == size
     in_splits = [0 if j == me else size for j in range(world)]
     out_splits = [0 if j == me else formats[j][0] for j in range(world)]
@@ -265,9 +259,9 @@ def zen_sum(
             slots = torch.nonzero(unpack_bits(chunk[:cut], part.sizes[j])).view(-1)
             where = part.sets[j][slots].to(torch.int64)
         else:
-            cut = nonzeros[j] * INDEX_BYTES
-            where = _bytes_as(chunk[:cut], torch.int64)
-        total[where] = _bytes_as(chunk[cut:], dtype)
+            cut = nonzeros[j] * xbytes
+            where = bytes_as(chunk[:cut], wire).to(torch.int64)
+        total[where] = bytes_as(chunk[cut:], dtype)
     return total
 
 
@@ -301,14 +295,15 @@ def zen_expected_bytes(
         return [(0, 0)]
     numel = total.numel()
     part = zen_partition(numel, world, seed)
-    pair = INDEX_BYTES + value_bytes
+    xbytes = index_bytes(numel)
+    pair = xbytes + value_bytes
     push = torch.stack([torch.bincount(zen_owner(i.to(torch.int64), world, seed), minlength=world) for i in rank_indices])
     nonzero = torch.nonzero(total.reshape(-1) != 0).view(-1)
     per_owner = torch.bincount(zen_owner(nonzero, world, seed), minlength=world).tolist()
-    msg = [pull_message_bytes(part.sizes[j], per_owner[j], value_bytes)[0] for j in range(world)]
+    msg = [pull_message_bytes(part.sizes[j], per_owner[j], value_bytes, xbytes)[0] for j in range(world)]
     out = []
     for r in range(world):
-        small = 2 * (world - 1) * INDEX_BYTES
+        small = 2 * (world - 1) * COUNT_BYTES
         sent = small + (int(push[r].sum()) - int(push[r, r])) * pair + (world - 1) * msg[r]
         received = small + (int(push[:, r].sum()) - int(push[r, r])) * pair + sum(msg) - msg[r]
         out.append((sent, received))
@@ -322,24 +317,57 @@ def _agree_seed(seed: int, group: dist.ProcessGroup | None, device: torch.device
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast(tensor, src=src, group=group)
     root = dist.get_rank(group) == 0
-    traffic.add((dist.get_world_size(group) - 1) * INDEX_BYTES if root else 0, 0 if root else INDEX_BYTES)
+    traffic.add((dist.get_world_size(group) - 1) * COUNT_BYTES if root else 0, 0 if root else COUNT_BYTES)
     return int(tensor.item())
 
 
+def zen_or_sparcml(world: int, numel: int, k: int, nonzeros: float, value_bytes: int, link: Link) -> str:
+    """ZEN's choice between balanced parallelism and SparCML from the alpha-beta model (ZEN on a tie).
+
+    ``k``: entries each rank sends; ``nonzeros``: K, entries of the summed result (its size
+    measures how much the ranks' selections overlap). Per rank:
+    - zen: 4 rounds (push counts, push pairs, pull counts, pull) moving (P-1)/P * k(v+x) in the
+      push and (P-1)/P * min(n/8 + K v, K(v+x)) in the pull (bitmap or COO);
+    - sparcml: 2 messages (header, set) per recursive-doubling round over P' = 2^floor(log2 P)
+      ranks, the set after r rounds being the union of 2^r selections, estimated from K with
+      independent selections, U(m) = n (1 - (1 - K/n)^(m/P)); P > P' adds the fold and send-back.
+    """
+    if world <= 1:
+        return "zen"
+    x = index_bytes(numel)
+    pair = value_bytes + x
+    share = (world - 1) / world
+    pull = min(-(-numel // 8) + nonzeros * value_bytes, nonzeros * pair)
+    zen = 4 * link.alpha + link.beta * share * (k * pair + pull)
+
+    def union(members: int) -> float:
+        return numel * (1.0 - (1.0 - min(nonzeros, numel) / numel) ** (members / world)) if numel else 0.0
+
+    core = 1 << (world.bit_length() - 1)
+    sparcml, members = 0.0, world / core  # after the fold a core rank holds P/P' selections
+    while members < world:  # log2 P' doubling rounds
+        sparcml += 2 * link.alpha + link.beta * union(members) * pair
+        members *= 2
+    if core != world:  # the fold (one selection in) and the send-back (the full sum out)
+        sparcml += 4 * link.alpha + link.beta * (k + nonzeros) * pair
+    return "zen" if zen <= sparcml else "sparcml"
+
+
 class _BufferState:
-    __slots__ = ("rounds", "times", "choice")
+    __slots__ = ("rounds", "nonzeros", "choice")
 
     def __init__(self) -> None:
         self.rounds = 0
-        self.times: dict[str, list[float]] = {"zen": [], "sparcml": []}
+        self.nonzeros: list[int] = []  # K of every profiled round (identical on every rank)
         self.choice: str | None = None
 
 
 @COMMUNICATORS.register("zen")
 class ZenCommunicator(SchemeCommunicator):
-    """ZEN: per buffer, profile the ``zen`` scheme and SparCML (alternating) over the first
-    ``profile_rounds`` rounds, agree on the slowest rank's times (allreduce MAX on the buffer's
-    group), then keep the faster one. ``choice="zen"`` or ``"sparcml"`` forces a scheme.
+    """ZEN: per buffer, run the ``zen`` scheme for the first ``profile_rounds`` rounds, measuring
+    K (nonzeros of the sum, identical on every rank), then choose between it and SparCML with
+    ``zen_or_sparcml`` on the group's alpha-beta link, measured on the buffer's group and agreed
+    (max over ranks), so every rank chooses alike. ``choice="zen"`` or ``"sparcml"`` forces a scheme.
 
     ``seed`` is the hash seed; rank 0's value is broadcast once per process group.
     """
@@ -353,18 +381,20 @@ class ZenCommunicator(SchemeCommunicator):
         super().__init__(**options)
         if choice not in self.CHOICES:
             raise ValueError(f"zen communicator: choice must be one of {self.CHOICES}, got {choice!r}")
-        if isinstance(profile_rounds, bool) or not isinstance(profile_rounds, int) or profile_rounds < 2:
-            raise ValueError(f"zen communicator: profile_rounds must be an integer >= 2, got {profile_rounds!r}")
+        if isinstance(profile_rounds, bool) or not isinstance(profile_rounds, int) or profile_rounds < 1:
+            raise ValueError(f"zen communicator: profile_rounds must be an integer >= 1, got {profile_rounds!r}")
         self.choice = choice
         self.profile_rounds = profile_rounds
         self.seed = int(seed)
         self._states: dict[str, _BufferState] = {}
         self._seeds: dict[int, int] = {}
+        self._links: dict[int, Link] = {}
         self._lock = threading.Lock()
 
     def submit_sparse(self, channel: Channel, encoded: Encoded, buffer: Buffer) -> Future:
         key = f"{buffer.index}:{buffer.sparse_numel}"
-        return channel.submit(self._zen_job, key, encoded.values, encoded.indices, buffer.sparse_numel)
+        k = sum(slot.k for slot in buffer.sparse_slots)
+        return channel.submit(self._zen_job, key, k, encoded.values, encoded.indices, buffer.sparse_numel)
 
     def _state(self, key: str) -> _BufferState:
         with self._lock:
@@ -377,6 +407,16 @@ class ZenCommunicator(SchemeCommunicator):
             self._seeds[gid] = _agree_seed(self.seed, group, device, traffic)
         return self._seeds[gid]
 
+    def _link_for(self, group, device: torch.device) -> Link:
+        """The group's alpha-beta link, measured once and agreed (max over ranks)."""
+        gid = id(group)
+        if gid not in self._links:
+            link = measure_link("allgather", group, device)
+            agreed = torch.tensor([link.alpha, link.beta], dtype=torch.float64, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+            self._links[gid] = Link(float(agreed[0]), float(agreed[1]))
+        return self._links[gid]
+
     def scheme_for(self, key: str) -> str | None:
         """The scheme chosen for a buffer (None while still profiling)."""
         if self.choice != "auto":
@@ -384,35 +424,23 @@ class ZenCommunicator(SchemeCommunicator):
         state = self._states.get(key)
         return None if state is None else state.choice
 
-    def _zen_job(self, key: str, values: Tensor, indices: Tensor, numel: int, group) -> tuple[Tensor, Traffic, Any]:
+    def _zen_job(self, key: str, k: int, values: Tensor, indices: Tensor, numel: int, group) -> tuple[Tensor, Traffic, Any]:
         traffic = Traffic()
         seed = self._seed_for(group, values.device, traffic)
         state = self._state(key)
         scheme = self.choice if self.choice != "auto" else state.choice
-        profiling = scheme is None
-        if profiling:
-            scheme = "zen" if state.rounds % 2 == 0 else "sparcml"
-        started = time.perf_counter()
-        if scheme == "zen":
-            total = zen_sum(values, indices, numel, group, traffic, False, seed)
-        else:
+        if scheme == "sparcml":
             total = SPARSE_SCHEMES.get("sparcml")(values, indices, numel, group, traffic, False)
-        elapsed = time.perf_counter() - started
+        else:
+            total = zen_sum(values, indices, numel, group, traffic, False, seed)
         state.rounds += 1
-        if profiling:
-            state.times[scheme].append(elapsed)
-            if state.rounds >= self.profile_rounds:
-                state.choice = self._decide(state, group, values.device, traffic)
+        if scheme is None:  # profiling: K is the same on every rank (the same sum)
+            state.nonzeros.append(int(torch.count_nonzero(total)))
+            if len(state.nonzeros) >= self.profile_rounds:
+                nonzeros = sum(state.nonzeros) / len(state.nonzeros)
+                link = self._link_for(group, values.device)
+                state.choice = zen_or_sparcml(dist.get_world_size(group), numel, k, nonzeros, values.element_size(), link)
         return total, traffic, None
-
-    @staticmethod
-    def _decide(state: _BufferState, group, device: torch.device, traffic: Traffic) -> str:
-        """Agree on the slowest rank's best time per scheme (allreduce MAX), pick the faster."""
-        best = torch.tensor([min(state.times["zen"]), min(state.times["sparcml"])], dtype=torch.float64, device=device)
-        dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
-        nbytes = ring_allreduce_bytes(2, 8, dist.get_world_size(group))
-        traffic.add(nbytes, nbytes)
-        return "zen" if float(best[0]) <= float(best[1]) else "sparcml"
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -427,7 +455,7 @@ class ZenCommunicator(SchemeCommunicator):
             s.rounds = int(rounds)
         for key, choice in state.get("choices", {}).items():
             self._state(key).choice = choice
-        # buffers restored mid-profiling start profiling afresh (times were not saved)
+        # buffers restored mid-profiling start profiling afresh (their K samples were not saved)
         for s in self._states.values():
             if s.choice is None:
                 s.rounds = 0

@@ -24,8 +24,9 @@ from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_l
 from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
-from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan
+from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, Slot
 from ssfusion_lightning.fusion import CompressContext, Encoded, FusionPolicy, PlanContext
+from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier
 
 
@@ -60,22 +61,47 @@ def dense_version(plan: Plan) -> Plan:
     return Plan(tuple(buffers))
 
 
-def offload_decisions(plan: Plan, costs: CostProfile) -> list[bool]:
-    """SSFusion-O's greedy rule, walking buffers in backward order: offload a buffer when the
-    worker is free by the time it is ready and its compression ends before the next buffer is
-    ready (the last buffer never: nothing is left to overlap it with)."""
+def offload_decisions(plan: Plan, costs: CostProfile) -> frozenset[int]:
+    """SSFusion-O's greedy rule per tensor (ALGORITHMS.md section 4), walking the plan in backward
+    order: offload a sparse tensor when the worker is free by the time its gradient is ready and
+    its compression ends before its buffer would be complete with every compression on the main
+    thread. What stays on the main thread delays the rest of the backward. Returns the parameter
+    positions to compress on the worker."""
+    offloaded, clock, worker_free = set(), 0.0, 0.0
+    for buffer in plan.buffers:
+        # the buffer's completion with nothing offloaded: the deadline of every offloaded job
+        deadline = clock + sum(
+            costs.backward_seconds(slot.name) + (costs.compress_seconds(slot.numel) if slot.sparse else 0.0)
+            for slot in buffer.slots
+        )
+        for slot in buffer.slots:
+            clock += costs.backward_seconds(slot.name)
+            if not slot.sparse:
+                continue
+            compress = costs.compress_seconds(slot.numel)
+            if worker_free <= clock and clock + compress <= deadline:
+                offloaded.add(slot.param)
+                worker_free = clock + compress
+            else:
+                clock += compress
+    return frozenset(offloaded)
+
+
+def buffer_offload_decisions(plan: Plan, costs: CostProfile) -> frozenset[int]:
+    """The same rule for policies that compress a whole buffer at once (``behind``): a buffer is
+    offloaded when the worker is free by the time it is complete and its compression ends before
+    the next buffer is complete (the last buffer never: nothing is left to overlap it with)."""
     ready, clock = [], 0.0
     for buffer in plan.buffers:
         clock += sum(costs.backward_seconds(slot.name) for slot in buffer.slots)
         ready.append(clock)
-    flags, worker_free = [], 0.0
+    offloaded, worker_free = set(), 0.0
     for j, buffer in enumerate(plan.buffers):
         compress = sum(costs.compress_seconds(slot.numel) for slot in buffer.sparse_slots)
-        offload = bool(buffer.sparse_slots) and j + 1 < len(ready) and worker_free <= ready[j] and ready[j] + compress <= ready[j + 1]
-        if offload:
+        if buffer.sparse_slots and j + 1 < len(ready) and worker_free <= ready[j] and ready[j] + compress <= ready[j + 1]:
             worker_free = ready[j] + compress
-        flags.append(offload)
-    return flags
+            offloaded.update(slot.param for slot in buffer.slots)
+    return frozenset(offloaded)
 
 
 def reversed_buffers(plan: Plan, num_channels: int) -> Plan:
@@ -142,18 +168,18 @@ class FusionEngine:
         self.plan = plan
         self._dense_plan = dense_version(plan)
         self._dense_storage.clear()
-        self._offload_flags = self._decide_offload(plan)
+        self._offloaded = self._decide_offload(plan)
         self._reset_round()
 
-    def _decide_offload(self, plan: Plan) -> list[bool]:
-        """thread/stream: every buffer; auto: the greedy rule on agreed costs (none before them)."""
-        if self.offloader is None:
-            return [False] * len(plan.buffers)
+    def _decide_offload(self, plan: Plan) -> frozenset[int]:
+        """Positions of the parameters compressed on the offload worker: thread/stream: every
+        sparse one; auto: the greedy rule on agreed costs (none before them)."""
+        if self.offloader is None or (self.config.offload == "auto" and self.costs is None):
+            return frozenset()
         if self.config.offload != "auto":
-            return [True] * len(plan.buffers)
-        if self.costs is None:
-            return [False] * len(plan.buffers)
-        return offload_decisions(plan, self.costs)
+            return frozenset(slot.param for buffer in plan.buffers for slot in buffer.sparse_slots)
+        decide = offload_decisions if self.policy.per_tensor else buffer_offload_decisions
+        return decide(plan, self.costs)
 
     @property
     def profiling(self) -> bool:
@@ -195,20 +221,21 @@ class FusionEngine:
     def _reset_round(self) -> None:
         plan = self.active_plan
         # A sparse plan needs every rank to know whether any rank's gradients were non-finite.
-        # When the last buffer has a dense part, compressed after every other buffer, the vote
-        # rides at its end (one entry per rank) instead of taking a round of its own.
+        # When the last buffer has a dense part, packed after every other tensor was compressed,
+        # the vote rides at its end (one entry per rank) instead of taking a round of its own.
         self._vote_in_dense = (
             plan.sparse_numel > 0
             and plan.buffers[-1].dense_numel > 0
             and self.communicator.sums_dense
-            and not any(self._offload_flags)  # an offloaded buffer may finish its check later
+            and not self._offloaded  # an offloaded tensor may finish its check later
         )
         self._buffer_of = plan.buffer_of
         self._missing = [len(b.slots) for b in plan.buffers]
+        self._pieces: list[list[Any]] = [[None] * len(b.slots) for b in plan.buffers]
         self._used = [False] * len(self.params)
         self._ready_order: list[int] = []
         self._finite: list[Tensor] = []
-        self._sparsifier_snapshot: dict[str, Any] | None = None  # taken at the round's first launch
+        self._sparsifier_snapshot: dict[str, Any] | None = None  # taken before the round's first selection
         self._next = 0
         self._pending: list[tuple[Buffer, PendingReduction, Encoded]] = []
 
@@ -219,7 +246,12 @@ class FusionEngine:
         self._ready_order.append(position)
         if self.profiling:
             self._profiler.ready(self.names[position])
-        self._missing[self._buffer_of[position]] -= 1
+        buffer_index, slot_index = self.active_plan.slot_of[position]
+        if self.policy.per_tensor:
+            self._compress_slot(self.active_plan.buffers[buffer_index], slot_index)
+            if self.profiling:
+                self._profiler.resume()  # main-thread compression is not backward time
+        self._missing[buffer_index] -= 1
         self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -244,42 +276,89 @@ class FusionEngine:
             self._dense_storage[key] = out
         return out
 
-    def _launch(self, buffer: Buffer) -> None:
-        grads = []
-        for slot in buffer.slots:
-            param = self.params[slot.param]
-            grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
+    def _grad(self, position: int) -> Tensor:
+        param = self.params[position]
+        return param.grad if param.grad is not None else torch.zeros_like(param)
+
+    def _context(self) -> CompressContext:
         if self._sparsifier_snapshot is None:
             # selection may move thresholds: restore them if this round is dropped as non-finite
             self._sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
-        if self.offloader is None:
-            self._pending.append(self._launch_encoded(buffer, self._compress(buffer, grads)))
-        elif self._offload_flags[buffer.index]:
-            if self.offloader.stages_on_host:
-                grads = [self.offloader.stage(slot.param, [g])[0] if slot.sparse else g for slot, g in zip(buffer.slots, grads)]
-            self._pending.append(self.offloader.submit(self._compress_and_launch, buffer, grads))
-        else:
-            # Launches still go through the worker, so channels see buffers in plan order.
-            self._pending.append(self.offloader.submit(self._launch_encoded, buffer, self._compress(buffer, grads)))
+        on_selected = self._profiler.compressed if self.profiling else None
+        return CompressContext(self.sparsifier, self.memory, 1.0 / self.world_size, on_selected)
 
-    def _compress(self, buffer: Buffer, grads: list[Tensor]) -> Encoded:
+    def _compress_slot(self, buffer: Buffer, j: int) -> None:
+        """Sparsification ahead of fusion: one tensor, as soon as its gradient is ready, here or on
+        the offload worker (SSFusion-O) as the plan decided."""
+        slot = buffer.slots[j]
+        grad, ctx, dense_out = self._grad(slot.param), self._context(), self._dense_out(buffer)
+        if slot.param in self._offloaded:
+            if self.offloader.stages_on_host:
+                grad = self.offloader.stage(slot.param, [grad])[0]
+            self._pieces[buffer.index][j] = self.offloader.submit(self._timed_slot, slot, grad, dense_out, ctx, True)
+        else:
+            self._pieces[buffer.index][j] = self._timed_slot(slot, grad, dense_out, ctx, False)
+
+    def _timed_slot(self, slot: Slot, grad: Tensor, dense_out: Tensor | None, ctx: CompressContext, offloaded: bool) -> Piece:
+        started = time.perf_counter()
+        if slot.sparse:
+            self._finite.append(all_finite([grad]))
+        piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
+        elapsed = time.perf_counter() - started
+        if offloaded:
+            self.metrics.offloaded_compress_seconds += elapsed
+        else:
+            self.metrics.compress_seconds += elapsed
+        return piece
+
+    def _launch(self, buffer: Buffer) -> None:
+        if not self.policy.per_tensor:
+            self._launch_whole(buffer)
+            return
+        for j, piece in enumerate(self._pieces[buffer.index]):
+            if piece is None:  # no gradient on this rank: it sends zeros, so every rank issues alike
+                self._compress_slot(buffer, j)
+        if self.offloader is None:
+            self._pending.append(self._pack_and_launch(buffer))
+        else:  # behind the buffer's offloaded pieces, and launches keep plan order on the channels
+            self._pending.append(self.offloader.submit(self._pack_and_launch, buffer))
+
+    def _pack_and_launch(self, buffer: Buffer):
+        """Runs after every piece of the buffer: the worker is FIFO, so offloaded pieces are done."""
+        pieces = [piece.result() if isinstance(piece, Future) else piece for piece in self._pieces[buffer.index]]
+        encoded = self.policy.pack(buffer, pieces, self._dense_out(buffer), self._context())
+        return self._launch_encoded(buffer, self._finish_encoding(buffer, encoded))
+
+    def _launch_whole(self, buffer: Buffer) -> None:
+        """Whole-buffer policies (``behind``): compress the complete buffer at once."""
+        grads = [self._grad(slot.param) for slot in buffer.slots]
+        if self.offloader is None:
+            self._pending.append(self._compress_and_launch(buffer, grads))
+        elif buffer.slots[0].param in self._offloaded:
+            if self.offloader.stages_on_host:
+                grads = self.offloader.stage(buffer.index, grads)
+            self._pending.append(self.offloader.submit(self._compress_and_launch, buffer, grads))
+        else:  # compressed here; the launch still goes through the worker, so channels see plan order
+            self._pending.append(self.offloader.submit(self._launch_encoded, buffer, self._compress_buffer(buffer, grads)))
+
+    def _compress_buffer(self, buffer: Buffer, grads: list[Tensor]) -> Encoded:
         started = time.perf_counter()
         sparse = [g for slot, g in zip(buffer.slots, grads) if slot.sparse]
         if sparse:
             self._finite.append(all_finite(sparse))
-        on_selected = self._profiler.compressed if self.profiling else None
-        ctx = CompressContext(self.sparsifier, self.memory, 1.0 / self.world_size, on_selected)
-        encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), ctx)
-        if self._carries_vote(buffer):
-            self._health_vector(out=encoded.dense[buffer.dense_numel :])
+        encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context())
         self.metrics.compress_seconds += time.perf_counter() - started
-        return encoded
+        return self._finish_encoding(buffer, encoded)
 
     def _compress_and_launch(self, buffer: Buffer, grads: list[Tensor]):
-        encoded = self._compress(buffer, grads)
+        return self._launch_encoded(buffer, self._compress_buffer(buffer, grads))
+
+    def _finish_encoding(self, buffer: Buffer, encoded: Encoded) -> Encoded:
+        if self._carries_vote(buffer):
+            self._health_vector(out=encoded.dense[buffer.dense_numel :])
         if encoded.values is not None and encoded.values.device != self.channels.device:
-            encoded = to_device(encoded, self.channels.device)
-        return self._launch_encoded(buffer, encoded)
+            encoded = to_device(encoded, self.channels.device)  # selected on pinned host memory
+        return encoded
 
     def _launch_encoded(self, buffer: Buffer, encoded: Encoded) -> tuple[Buffer, PendingReduction, Encoded]:
         pending = self.communicator.launch(encoded, buffer, self.channels)
@@ -425,6 +504,9 @@ class FusionEngine:
     def _update_memory(self, encoded: Encoded, reduced: Reduced) -> None:
         for update in encoded.updates:
             sent = update.sent
+            if sent is None:
+                self.memory.settle_dense(update.key, update.compensated)
+                continue
             if reduced.applied is not None:
                 sent = sent[torch.isin(sent + update.offset, reduced.applied.to(sent.device))]
             self.memory.update(update.key, update.compensated, sent)

@@ -12,7 +12,10 @@ class StepMetrics:
     padded_bytes_sent: int = 0
     padded_bytes_received: int = 0
     dense_equivalent_bytes: int = 0
+    #: compression on the main thread (on the critical path of backward)
     compress_seconds: float = 0.0
+    #: compression on the offload worker (SSFusion-O), overlapped with backward
+    offloaded_compress_seconds: float = 0.0
     exposed_comm_seconds: float = 0.0
     buffers: int = 0
     dense_tensors: int = 0

@@ -99,6 +99,11 @@ class Plan:
         """Parameter position -> index of the buffer that holds it."""
         return {slot.param: buffer.index for buffer in self.buffers for slot in buffer.slots}
 
+    @cached_property
+    def slot_of(self) -> dict[int, tuple[int, int]]:
+        """Parameter position -> (buffer index, slot index in that buffer)."""
+        return {slot.param: (buffer.index, j) for buffer in self.buffers for j, slot in enumerate(buffer.slots)}
+
 
 def cut_by_bytes(
     params: Sequence[tuple[int, ParamSpec]], cap_bytes: float, first_cap_bytes: float | None = None

@@ -34,8 +34,8 @@ class PendingUpdate:
 
     key: str
     compensated: Tensor
-    sent: Tensor  # flat positions in the compensated tensor
-    offset: int  # where the tensor starts in the buffer's sparse part
+    sent: Tensor | None  # flat positions in the compensated tensor; None: a dense slot sent it whole
+    offset: int  # where the tensor starts in the buffer's part (sparse or dense)
 
 
 @dataclass
@@ -71,12 +71,25 @@ class CompressContext:
         return selected
 
 
+@dataclass
+class Piece:
+    """One slot's share of a buffer: a sparse slot's selection (scaled, shifted into the buffer's
+    sparse part) and the error-feedback update that waits for the round's result."""
+
+    values: Tensor | None = None
+    indices: Tensor | None = None
+    update: PendingUpdate | None = None
+
+
 class FusionPolicy(ABC):
     name: ClassVar[str] = ""
     #: the plan depends on profiled costs, so it is rebuilt once they are agreed
     needs_costs: ClassVar[bool] = False
     #: every rank sends exactly the planned count per tensor (no size exchange)
     aligned: ClassVar[bool] = False
+    #: selection is per tensor, so the engine compresses each tensor as its gradient arrives
+    #: (sparsification ahead of fusion); False: the whole buffer is compressed once it is complete
+    per_tensor: ClassVar[bool] = True
 
     def __init__(self, **options: Any) -> None:
         if options:
@@ -86,30 +99,38 @@ class FusionPolicy(ABC):
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         """Cut ``params`` (position, spec) given in backward order into buffers."""
 
-    def compress(self, buffer: Buffer, grads: Sequence[Tensor], dense_out: Tensor | None, ctx: CompressContext) -> Encoded:
-        """Per-tensor compression: dense slots are packed into ``dense_out``, sparse slots are
-        compensated and selected one by one with their own k (sparsification ahead of fusion)."""
-        values, indices, updates = [], [], []
-        for slot, grad in zip(buffer.slots, grads):
-            if not slot.sparse:
-                torch.mul(grad.reshape(-1), ctx.scale, out=dense_out[slot.offset : slot.offset + slot.numel])
-                continue
-            compensated = ctx.memory.compensate(slot.name, grad)
-            v, i = ctx.select(compensated, slot.name, slot.k)
-            if self.aligned:
-                v, i = exact_count(v, i, compensated.reshape(-1), slot.k)
-            values.append(v * ctx.scale)
-            indices.append(i + slot.offset)
-            updates.append(PendingUpdate(slot.name, compensated, i, slot.offset))
+    def compress_slot(self, slot: Slot, grad: Tensor, dense_out: Tensor | None, ctx: CompressContext) -> Piece:
+        """One tensor: a dense slot is scaled into ``dense_out`` (with any error-feedback state it
+        still owes); a sparse slot is compensated and selected with its own k."""
+        if not slot.sparse:
+            compensated = ctx.memory.compensate_dense(slot.name, grad)
+            source = grad if compensated is None else compensated
+            torch.mul(source.reshape(-1), ctx.scale, out=dense_out[slot.offset : slot.offset + slot.numel])
+            return Piece(update=None if compensated is None else PendingUpdate(slot.name, compensated, None, slot.offset))
+        compensated = ctx.memory.compensate(slot.name, grad)
+        v, i = ctx.select(compensated, slot.name, slot.k)
+        if self.aligned:
+            v, i = exact_count(v, i, compensated.reshape(-1), slot.k)
+        return Piece(v * ctx.scale, i + slot.offset, PendingUpdate(slot.name, compensated, i, slot.offset))
+
+    def pack(self, buffer: Buffer, pieces: Sequence[Piece], dense_out: Tensor | None, ctx: CompressContext) -> Encoded:
+        """Fuse the buffer's pieces, in slot order, into one message."""
+        values = [p.values for p in pieces if p.values is not None]
+        indices = [p.indices for p in pieces if p.indices is not None]
         return Encoded(
             dense=dense_out,
             values=torch.cat(values) if values else None,
             indices=torch.cat(indices) if indices else None,
-            updates=updates,
+            updates=[p.update for p in pieces if p.update is not None],
             equal_counts=self.aligned,
             max_count=count_bound(buffer, ctx.sparsifier),
             shared_indices=ctx.sparsifier.shared_indices,
         )
+
+    def compress(self, buffer: Buffer, grads: Sequence[Tensor], dense_out: Tensor | None, ctx: CompressContext) -> Encoded:
+        """The whole buffer at once (what the engine calls for policies that are not ``per_tensor``)."""
+        pieces = [self.compress_slot(slot, grad, dense_out, ctx) for slot, grad in zip(buffer.slots, grads)]
+        return self.pack(buffer, pieces, dense_out, ctx)
 
 
 def count_bound(buffer: Buffer, sparsifier: Sparsifier) -> int | None:
@@ -119,16 +140,20 @@ def count_bound(buffer: Buffer, sparsifier: Sparsifier) -> int | None:
 
 
 def exact_count(values: Tensor, indices: Tensor, flat: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """SAFusion alignment: trim a larger selection to its k largest magnitudes; replace a smaller
-    one by the exact top-k, so every rank contributes exactly k elements for this tensor."""
+    """SAFusion alignment: every rank contributes exactly k elements for this tensor. A larger
+    selection is trimmed to its k largest magnitudes; a smaller one is padded with the first
+    positions it does not hold, sending their real values (so error feedback stays exact) at
+    O(k) cost instead of a top-k over the whole tensor."""
     count = values.numel()
     if count == k:
         return values, indices
     if count > k:
         keep = torch.topk(values.abs(), k, sorted=False).indices
         return values[keep], indices[keep]
-    top = torch.topk(flat.abs(), k, sorted=False).indices
-    return flat[top], top
+    # the first k positions hold at least k - count that are not selected
+    candidates = torch.arange(k, device=indices.device)
+    padding = candidates[~torch.isin(candidates, indices)][: k - count]
+    return torch.cat([values, flat[padding]]), torch.cat([indices, padding])
 
 
 FUSION_POLICIES: Registry[FusionPolicy] = Registry("fusion policy")

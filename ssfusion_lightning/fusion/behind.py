@@ -1,7 +1,10 @@
 """`behind`: fuse first, then one selection over the whole buffer ("sparsification behind fusion").
 
 Cheap (one selection per buffer) but a small tensor can lose all its elements to larger ones in
-the same buffer: the "tensor missing" problem that motivates SAFusion.
+the same buffer: the "tensor missing" problem that motivates SAFusion. The buffer's budget is
+the sum of its tensors' k (about density x buffer elements), so a collective that selects
+globally (Ok-Topk) gets the same k. Shape-aware sparsifiers (ADTopk's rows) are refused: the
+fused buffer is 1-D, so they would send every element with an index.
 """
 
 from __future__ import annotations
@@ -27,10 +30,19 @@ from ssfusion_lightning.sparsifiers import k_for
 @FUSION_POLICIES.register("behind")
 class BehindPolicy(FusionPolicy):
     name = "behind"
+    per_tensor = False
 
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
+        if ctx.sparsifier.needs_shape:
+            raise ValueError(
+                f"fusion='behind' cannot run sparsifier {ctx.sparsifier.name!r}: it selects per row of a "
+                "tensor, and behind selects over a fused 1-D buffer; use fusion='ahead', 'partial' or 'layerwise'"
+            )
         sparse = not ctx.sparsifier.is_dense
-        return byte_capped_plan(params, ctx, ctx.buffer_bytes, lambda spec: sparse, lambda spec: spec.numel, ctx.first_buffer_bytes)
+        density = ctx.sparsifier.density
+        return byte_capped_plan(
+            params, ctx, ctx.buffer_bytes, lambda spec: sparse, lambda spec: k_for(spec.numel, density), ctx.first_buffer_bytes
+        )
 
     def compress(self, buffer: Buffer, grads: Sequence[Tensor], dense_out: Tensor | None, ctx: CompressContext) -> Encoded:
         if not buffer.sparse_slots:
@@ -38,7 +50,7 @@ class BehindPolicy(FusionPolicy):
         # Error feedback stays per tensor, so re-planned buffers never lose a residual.
         compensated = [ctx.memory.compensate(slot.name, grad) for slot, grad in zip(buffer.slots, grads)]
         fused = torch.cat([c.reshape(-1) for c in compensated])
-        k = k_for(fused.numel(), ctx.sparsifier.density)
+        k = sum(slot.k for slot in buffer.slots)
         values, indices = ctx.select(fused, f"buffer{buffer.index}", k)
         updates = []
         for slot, tensor in zip(buffer.slots, compensated):

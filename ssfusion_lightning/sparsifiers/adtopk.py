@@ -83,6 +83,7 @@ class ADTopkSparsifier(Sparsifier):
     """
 
     name = "adtopk"
+    needs_shape = True
     exact_k = False
 
     def __init__(self, density: float = 0.01, **options: Any) -> None:

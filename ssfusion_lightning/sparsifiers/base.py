@@ -69,6 +69,8 @@ class Sparsifier(ABC):
     is_dense: ClassVar[bool] = False
     #: for threshold sparsifiers: (low, high) factors of k the returned count lands in (see the class docs)
     count_band: ClassVar[tuple[float, float] | None] = None
+    #: selects by the tensor's shape (rows), so a fused 1-D buffer is no valid input
+    needs_shape: ClassVar[bool] = False
 
     def __init__(self, density: float = 0.01, **options: Any) -> None:
         if options:

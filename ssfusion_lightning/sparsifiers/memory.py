@@ -32,6 +32,18 @@ class Memory(ABC):
     @abstractmethod
     def update(self, key: str, compensated: Tensor, sent_indices: Tensor) -> None: ...
 
+    def compensate_dense(self, key: str, grad: Tensor) -> Tensor | None:
+        """The tensor a dense slot sends instead of ``grad``, or None when ``grad`` goes as it is.
+
+        A tensor the plan sends dense may still hold state from rounds it was sparse (a re-plan,
+        the end of a warm-up): that mass must go out with its next send, never be dropped.
+        """
+        return None
+
+    def settle_dense(self, key: str, compensated: Tensor) -> None:
+        """After ``compensate_dense``'s tensor went out whole: nothing is owed for ``key`` any more."""
+        return None
+
     def residual(self, key: str) -> Tensor | None:
         """The mass this rank still owes for ``key`` (None when nothing is stored)."""
         return None
@@ -95,6 +107,13 @@ class ResidualMemory(Memory):
         residual.copy_(compensated)
         _zero_at(residual, sent_indices)
 
+    def compensate_dense(self, key: str, grad: Tensor) -> Tensor | None:
+        return self.compensate(key, grad) if key in self.residuals else None
+
+    def settle_dense(self, key: str, compensated: Tensor) -> None:
+        check_finite(key, compensated)
+        self.residuals.pop(key, None)
+
     def residual(self, key: str) -> Tensor | None:
         return self.residuals.get(key)
 
@@ -124,6 +143,10 @@ class DGCMemory(Memory):
     the optimizer WITHOUT its own momentum. ``compensate`` computes the new u and v without
     storing them; ``update`` stores both (refusing non-finite values, leaving the old state).
     ``residual(key)`` is v: at every step, sent + v == the compensated tensor exactly.
+
+    A dense slot (selective/partial plans, warm-up) gets the same optimizer semantics: it sends
+    v + u with u <- momentum * u + g and keeps u unmasked, so with every position sent each round
+    this is momentum SGD, momentum applied once and never lost; v is flushed and dropped.
     """
 
     def __init__(self, momentum: float = 0.9, clip_norm: float | None = None) -> None:
@@ -151,10 +174,11 @@ class DGCMemory(Memory):
         momentum = self.momenta.get(key)
         velocity = self.velocities.get(key)
         if momentum is None or momentum.shape != grad.shape or momentum.dtype != grad.dtype:
-            momentum, velocity = torch.zeros_like(grad), torch.zeros_like(grad)
+            momentum, velocity = torch.zeros_like(grad), None
         new_momentum = momentum * self.momentum + grad
         self._pending[key] = new_momentum
-        return velocity + new_momentum
+        # no velocity: a dense round flushed it (or this is the first round)
+        return new_momentum.clone() if velocity is None else velocity + new_momentum
 
     def update(self, key: str, compensated: Tensor, sent_indices: Tensor) -> None:
         new_momentum = self._pending.pop(key, None)
@@ -167,6 +191,18 @@ class DGCMemory(Memory):
         _zero_at(new_momentum, sent_indices)
         self.momenta[key] = new_momentum
         self.velocities[key] = velocity
+
+    def compensate_dense(self, key: str, grad: Tensor) -> Tensor:
+        return self.compensate(key, grad)
+
+    def settle_dense(self, key: str, compensated: Tensor) -> None:
+        new_momentum = self._pending.pop(key, None)
+        if new_momentum is None or new_momentum.shape != compensated.shape:
+            raise RuntimeError(f"DGCMemory.settle_dense({key!r}) without a matching compensate_dense")
+        check_finite(key, compensated)
+        check_finite(key, new_momentum, "momentum")
+        self.momenta[key] = new_momentum
+        self.velocities.pop(key, None)
 
     def residual(self, key: str) -> Tensor | None:
         return self.velocities.get(key)

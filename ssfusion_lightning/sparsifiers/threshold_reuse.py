@@ -23,15 +23,18 @@ class ThresholdReuseSparsifier(ThresholdSparsifier):
     exact top-k when too small -- so the payload never runs away. A changed k for a key also
     forces an exact step.
 
-    Count band: (1/2, 2) x k always (exactly k on exact steps); (2/3, 4/3) x k is the target of
-    the nudges for a stationary gradient distribution.
+    A reuse step above 4k/3 is trimmed to exactly k among the selected (cheap: the selection is
+    small), so the payload stays within Ok-Topk's bound.
+
+    Count band: (1/2, 4/3) x k always (exactly k on exact steps and trimmed steps); (2/3, 4/3) x k
+    is the target of the nudges for a stationary gradient distribution.
 
     State (``state_dict``): the step counter and, per key, (threshold, k, step of the last exact
     selection).
     """
 
     name = "threshold_reuse"
-    count_band = (0.5, 2.0)
+    count_band = (0.5, 4 / 3)
     target_band = (2 / 3, 4 / 3)
 
     def __init__(self, density: float = 0.01, tau: int = 32, nudge: float = 1.02, **options: Any) -> None:
@@ -72,7 +75,7 @@ class ThresholdReuseSparsifier(ThresholdSparsifier):
         elif count < self.target_band[0] * k:
             threshold /= self.nudge
         self.thresholds[key] = (threshold, k, stored[2])
-        return self.finish(flat, selected, k, 2 * k)
+        return self.finish(flat, selected, k, self.target_band[1] * k)
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "thresholds": {key: tuple(value) for key, value in self.thresholds.items()}}
