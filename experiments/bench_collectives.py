@@ -36,8 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 V = 4  # fp32 values
-X = 8  # int64 indices on the wire
-X_AG = 4  # the allgather's int32 positions
+X = 4  # int32 positions on the wire (every scheme, numel < 2**31)
 SCHEMES = ("allreduce", "allgather", "zen", "sparcml", "oktopk")
 PATTERNS = ("random", "identical", "disjoint", "skewed")
 SKEW_FRACTION = 32  # skewed pattern: indices in the first numel / 32 elements
@@ -79,7 +78,7 @@ def formulas(scheme: str, sets: list[torch.Tensor], numel: int, k: int) -> float
     if scheme == "allreduce":
         return 2 * (world - 1) / world * numel * V
     if scheme == "allgather":
-        return (world - 1) * k * (V + X_AG)
+        return (world - 1) * k * (V + X)
     if scheme == "zen":
         K = torch.unique(torch.cat(sets)).numel()  # nonzeros after summing (random values: no cancellation)
         pull = K * V + min(numel / 8, K * X)  # bitmap, or COO when that is smaller
@@ -331,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         f"# Sparse collectives on gloo (this machine, {os.cpu_count()} CPU cores; ranks are local processes)\n\n"
         f"Grid: P={args.worlds}, numel={args.numels}, density={args.densities}, patterns={args.patterns}, "
         f"{args.reps} timed repetitions after one warm-up (median of the slowest rank). "
-        f"Bytes: received per rank, mean over ranks, fp32 values (v=4) and int64 indices (x=8; the allgather sends int32 positions, x=4). "
+        f"Bytes: received per rank, mean over ranks, fp32 values (v=4) and int32 positions (x=4) in every scheme. "
         f"Formulas (ALGORITHMS.md section 7): allreduce 2(P-1)/P n v; allgather (P-1) k (v+x); "
         f"zen (P-1)/P [k(v+x) + K v + min(n/8, K x)] (bitmap or COO pull, K = nonzeros of the sum); "
         f"sparcml: sum over rounds of the union sizes (v+x); oktopk: the 3(P-1)/P k (v+x) upper bound "

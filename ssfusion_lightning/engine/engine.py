@@ -2,6 +2,12 @@
 
 Free of Lightning: the strategy creates it with the model's parameters and its own channels,
 calls ``finish`` after every backward and toggles ``sync_enabled`` for gradient accumulation.
+
+In the hook of each parameter, as its gradient becomes ready, a per-tensor policy compensates
+and selects that tensor right away (or scales it into the dense part), on this thread or on the
+offload worker as the plan decided: compression hides behind the rest of the backward. When a
+buffer is complete and every earlier one has launched, its pieces are packed in slot order and
+launched. Whole-buffer policies (``behind``) compress the complete buffer instead.
 """
 
 from __future__ import annotations
