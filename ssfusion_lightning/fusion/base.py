@@ -61,6 +61,14 @@ class CompressContext:
     scale: float  # 1 / world size, applied while packing as DDP does
     #: called with (numel, seconds) for every selection while the engine profiles
     on_selected: Callable[[int, float], None] | None = None
+    #: the factor this round's gradients carry (a GradScaler's scale, 0-d tensor), None without one
+    loss_scale: Tensor | None = None
+    #: dtype and device of the buffer's gradients (the zeros an idle parameter sends)
+    dtype: torch.dtype = torch.float32
+    device: torch.device | None = None
+
+    def compensate(self, key: str, grad: Tensor) -> Tensor:
+        return self.memory.compensate(key, grad, loss_scale=self.loss_scale)
 
     def select(self, compensated: Tensor, key: str, k: int) -> tuple[Tensor, Tensor]:
         if self.on_selected is None:
@@ -86,21 +94,34 @@ class FusionPolicy(ABC):
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         """Cut ``params`` (position, spec) given in backward order into buffers."""
 
-    def compress(self, buffer: Buffer, grads: Sequence[Tensor], dense_out: Tensor | None, ctx: CompressContext) -> Encoded:
+    def compress(
+        self, buffer: Buffer, grads: Sequence[Tensor | None], dense_out: Tensor | None, ctx: CompressContext
+    ) -> Encoded:
         """Per-tensor compression: dense slots are packed into ``dense_out``, sparse slots are
-        compensated and selected one by one with their own k (sparsification ahead of fusion)."""
+        compensated and selected one by one with their own k (sparsification ahead of fusion).
+        A None gradient is a parameter this rank's backward did not reach: it sends zeros and its
+        error feedback is left alone."""
         values, indices, updates = [], [], []
         for slot, grad in zip(buffer.slots, grads):
             if not slot.sparse:
-                torch.mul(grad.reshape(-1), ctx.scale, out=dense_out[slot.offset : slot.offset + slot.numel])
+                packed = dense_out[slot.offset : slot.offset + slot.numel]
+                if grad is None:
+                    packed.zero_()
+                else:
+                    # written through a view in the slot's shape: a gradient in another memory
+                    # format (channels_last) lands in logical order with no contiguous copy first
+                    torch.mul(grad, ctx.scale, out=packed.view(slot.shape))
                 continue
-            compensated = ctx.memory.compensate(slot.name, grad)
-            v, i = ctx.select(compensated, slot.name, slot.k)
-            if self.aligned:
-                v, i = exact_count(v, i, compensated.reshape(-1), slot.k)
+            if grad is None:
+                v, i = idle_selection(slot, ctx, self.aligned)
+            else:
+                compensated = ctx.compensate(slot.name, grad)
+                v, i = ctx.select(compensated, slot.name, slot.k)
+                if self.aligned:
+                    v, i = exact_count(v, i, compensated.reshape(-1), slot.k)
+                updates.append(PendingUpdate(slot.name, compensated, i, slot.offset))
             values.append(v * ctx.scale)
             indices.append(i + slot.offset)
-            updates.append(PendingUpdate(slot.name, compensated, i, slot.offset))
         return Encoded(
             dense=dense_out,
             values=torch.cat(values) if values else None,
@@ -110,6 +131,19 @@ class FusionPolicy(ABC):
             max_count=count_bound(buffer, ctx.sparsifier),
             shared_indices=ctx.sparsifier.shared_indices,
         )
+
+
+def idle_selection(slot: Slot, ctx: CompressContext, aligned: bool) -> tuple[Tensor, Tensor]:
+    """The zeros a sparse slot sends for a parameter that got no gradient on this rank: every rank
+    still issues the same collectives, with messages of the shape the others expect."""
+    if ctx.sparsifier.shared_indices:
+        # values are summed at positions every rank shares; they depend on the step and key only
+        positions = ctx.sparsifier.select(torch.zeros(slot.shape, dtype=ctx.dtype, device=ctx.device), key=slot.name, k=slot.k)[1]
+    elif aligned:
+        positions = torch.arange(slot.k, device=ctx.device)  # every rank sends exactly k pairs
+    else:
+        positions = torch.empty(0, dtype=torch.int64, device=ctx.device)
+    return torch.zeros(positions.numel(), dtype=ctx.dtype, device=ctx.device), positions
 
 
 def count_bound(buffer: Buffer, sparsifier: Sparsifier) -> int | None:
