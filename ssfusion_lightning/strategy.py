@@ -7,12 +7,15 @@ wraps the model in DistributedDataParallel: gradients are exchanged by the engin
 from __future__ import annotations
 
 import logging
+import math
+import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generator, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
@@ -25,6 +28,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.engine.engine import NONFINITE_POLICIES, EngineConfig, FusionEngine
+from ssfusion_lightning.engine.errors import CommunicationError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.presets import SYSTEM_PRESETS
@@ -34,12 +38,40 @@ log = logging.getLogger(__name__)
 
 OFFLOAD_CHOICES = ("none", "thread", "stream", "auto")
 CHECKPOINT_KEY = "ssfusion_engine"
+#: density of a sparsifier given by name when ``density`` is not passed
+DEFAULT_DENSITY = 0.01
+_TORCH_DISTRIBUTED_DIR = os.path.dirname(dist.__file__) + os.sep
 
 
 def _choice(kind: str, value: Any, choices) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"unknown {kind} {value!r}; valid choices: {', '.join(sorted(choices))}")
     return value
+
+
+def _positive_mib(name: str, value: Any, none_means: str = "") -> float:
+    # NaN slips through "<= 0" and inf through every comparison; both would fail only at setup
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number{none_means}, got {value!r} (a finite size in MiB)")
+    return float(value)
+
+
+def _raised_by_a_collective(exception: BaseException) -> bool:
+    """Whether ``exception`` (or an exception it was raised from) left a torch.distributed call:
+    gloo reports a dead peer or a time-out as a plain RuntimeError, so the type alone cannot tell."""
+    seen: set[int] = set()
+    error: BaseException | None = exception
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, dist.DistError):
+            return True
+        traceback = error.__traceback__
+        while traceback is not None:
+            if traceback.tb_frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED_DIR):
+                return True
+            traceback = traceback.tb_next
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _short(value: Any) -> str:
@@ -52,22 +84,26 @@ class SSFusionStrategy(DDPStrategy):
 
     Args:
         sparsifier: a name from ``available_sparsifiers()`` or a Sparsifier instance.
-        density: fraction of elements sent, 0 < density <= 1.
+        density: fraction of elements sent, 0 < density <= 1 (default 0.01) for a sparsifier given by
+            name. A Sparsifier instance carries its own density: passing ``density`` with one is an error.
         memory: error feedback, "residual" | "dgc" | "none".
         fusion: buffer/selection policy (see ``available_fusion_policies()``).
         comm: collective (see ``available_communicators()``).
-        buffer_mb: cap of a fusion buffer in MiB.
+        buffer_mb: cap of a fusion buffer in MiB (a finite number > 0).
         first_buffer_mb: cap in MiB of the buffer that closes first in backward order (default:
             ``buffer_mb``). A small first buffer (DDP uses 1 MiB) starts communication while the
             rest of the backward runs; with one big buffer nothing overlaps.
         process_groups: number of strategy-owned process groups buffers rotate over (>= 1).
-        offload: where sparsification runs: "none" | "thread" | "stream" | "auto".
+        offload: where sparsification runs: "none" | "thread" | "stream" | "auto" ("stream" needs CUDA
+            devices; checked as soon as the Trainer has chosen the accelerator, before launching ranks).
         warmup_steps: dense steps before sparsification starts.
         find_unused_parameters: as DDP's: a parameter that no rank used keeps ``.grad`` untouched.
         broadcast_buffers: as DDP's: module buffers (BatchNorm statistics) are broadcast from rank 0
             before each synchronized forward.
         nonfinite: a NaN/Inf gradient on any rank makes every rank "raise" (default) or "skip" the
-            step; error feedback and sparsifier thresholds never absorb it.
+            step; error feedback and sparsifier thresholds never absorb it. Under fp16 mixed precision
+            with a GradScaler the step is the scaler's instead: every rank writes inf into the
+            gradients, so the scaler skips the step and lowers its scale, as under DDP.
         comm_options, fusion_options, memory_options: constructor options of the named communicator,
             fusion policy and memory (e.g. ``comm_options={"choice": "sparcml"}`` for ``comm="zen"``).
         timeout: as DDP's; also bounds every collective of the strategy's own process groups, so a
@@ -79,7 +115,7 @@ class SSFusionStrategy(DDPStrategy):
     def __init__(
         self,
         sparsifier: str | Sparsifier = "dgc",
-        density: float = 0.01,
+        density: Optional[float] = None,
         memory: str = "residual",
         fusion: str = "selective",
         comm: str = "hybrid",
@@ -119,23 +155,27 @@ class SSFusionStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.density = validate_density(density)
         if isinstance(sparsifier, Sparsifier):
+            if density is not None:
+                # Silently overriding (or ignoring) either density would train at a density nobody asked for.
+                raise ValueError(
+                    f"density={density!r} was passed together with a Sparsifier instance ({type(sparsifier).__name__} "
+                    f"with density {sparsifier.density}); the instance's own density applies: set it when building "
+                    "the sparsifier, or pass the sparsifier by name"
+                )
             self.sparsifier_spec: str | Sparsifier = sparsifier
+            self.density = sparsifier.density
         else:
             self.sparsifier_spec = _choice("sparsifier", sparsifier, SPARSIFIERS.names())
+            self.density = validate_density(DEFAULT_DENSITY if density is None else density)
         self.memory_name = _choice("memory", memory, MEMORIES.names())
         self.fusion_name = _choice("fusion policy", fusion, FUSION_POLICIES.names())
         self.comm_name = _choice("comm", comm, COMMUNICATORS.names())
         self.offload = _choice("offload", offload, OFFLOAD_CHOICES)
-        if isinstance(buffer_mb, bool) or not isinstance(buffer_mb, (int, float)) or buffer_mb <= 0:
-            raise ValueError(f"buffer_mb must be a positive number, got {buffer_mb!r}")
-        self.buffer_mb = float(buffer_mb)
-        if first_buffer_mb is not None and (
-            isinstance(first_buffer_mb, bool) or not isinstance(first_buffer_mb, (int, float)) or first_buffer_mb <= 0
-        ):
-            raise ValueError(f"first_buffer_mb must be a positive number or None (= buffer_mb), got {first_buffer_mb!r}")
-        self.first_buffer_mb = None if first_buffer_mb is None else float(first_buffer_mb)
+        self.buffer_mb = _positive_mib("buffer_mb", buffer_mb)
+        self.first_buffer_mb = (
+            None if first_buffer_mb is None else _positive_mib("first_buffer_mb", first_buffer_mb, " or None (= buffer_mb)")
+        )
         if isinstance(process_groups, bool) or not isinstance(process_groups, int) or process_groups < 1:
             raise ValueError(f"process_groups must be an integer >= 1, got {process_groups!r}")
         self.process_groups = process_groups
@@ -167,6 +207,17 @@ class SSFusionStrategy(DDPStrategy):
                 strategy_registry.register(name, cls, description=description, **kwargs)
 
     # ------------------------------------------------------------ lifecycle
+    def _configure_launcher(self) -> None:
+        # The Trainer calls this once it has chosen the accelerator and devices and before it
+        # launches any rank: the earliest point where the offload mode can be checked against them.
+        not_cuda = sorted({str(device) for device in self.parallel_devices or [] if device.type != "cuda"})
+        if self.offload == "stream" and not_cuda:
+            raise ValueError(
+                f"offload='stream' compresses on a CUDA side stream, but the devices are {', '.join(not_cuda)} "
+                f"(accelerator {type(self.accelerator).__name__}); use offload='thread', 'auto' or 'none'"
+            )
+        super()._configure_launcher()
+
     def configure_ddp(self) -> None:
         """Replace DDP's wrapper by the fusion engine: same starting point on all ranks, own groups, hooks."""
         assert self.model is not None
@@ -223,6 +274,11 @@ class SSFusionStrategy(DDPStrategy):
         )
         self._groups = self._create_groups()
         channels = ChannelSet(self._groups if self._groups else [None], self.root_device)
+        sparse_ids = {
+            id(module.weight)
+            for module in self.model.modules()
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+        }
         return FusionEngine(
             named,
             sparsifier,
@@ -240,6 +296,9 @@ class SSFusionStrategy(DDPStrategy):
                 # a little above the groups' own timeout, so gloo's error (if any) is the one reported
                 timeout_seconds=self._timeout.total_seconds() + 10 if self._timeout is not None else None,
             ),
+            sparse_gradients=[name for name, param in named if id(param) in sparse_ids],
+            # fp16 mixed precision: the scaler's scale is in the gradients, and it skips non-finite steps
+            grad_scaler=getattr(self.precision_plugin, "scaler", None),
         )
 
     def _create_groups(self) -> list[dist.ProcessGroup]:
@@ -304,11 +363,13 @@ class SSFusionStrategy(DDPStrategy):
         self._log_metrics(self.last_metrics)
 
     def on_exception(self, exception: BaseException) -> None:
-        """Name the step in any failure, also one raised by a collective outside the engine (e.g.
-        ``self.log(..., sync_dist=True)`` on the default group when a peer is gone)."""
+        """Name the step in a communication failure raised by a collective outside the engine (e.g.
+        ``self.log(..., sync_dist=True)`` on the default group when a peer is gone). The engine's own
+        CommunicationError names it already; any other error (the user's own, a non-finite gradient)
+        is not about communication and keeps its message as it is."""
         super().on_exception(exception)
         engine = self.engine
-        if engine is not None and not str(exception).startswith("ssfusion: step"):
+        if engine is not None and not isinstance(exception, CommunicationError) and _raised_by_a_collective(exception):
             exception.add_note(
                 f"ssfusion: step {engine.step} (communication round of this rank) failed; if this is a time-out "
                 "or a closed connection, a rank may have died or a link gone down"

@@ -53,6 +53,8 @@ class Communicator(ABC):
     #: the dense part is summed element-wise by one all-reduce, whatever its length: the engine
     #: may append control entries to it (the non-finite vote) instead of a round of their own
     sums_dense: ClassVar[bool] = False
+    #: the sparse part is summed exactly (Ok-Topk keeps about k entries of the sum instead)
+    exact: ClassVar[bool] = True
 
     def __init__(self, **options: Any) -> None:
         if options:

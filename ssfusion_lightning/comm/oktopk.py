@@ -298,6 +298,7 @@ class OkTopkCommunicator(SchemeCommunicator):
 
     name = "oktopk"
     split = True
+    exact = False
 
     def __init__(self, rebalance_every: int = 64, threshold_every: int = 32, **options: Any) -> None:
         super().__init__(**options)

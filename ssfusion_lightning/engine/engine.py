@@ -13,17 +13,18 @@ launched. Whole-buffer policies (``behind``) compress the complete buffer instea
 from __future__ import annotations
 
 import copy
+import math
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ssfusion_lightning.comm import ChannelSet, Communicator, PendingReduction, Reduced
+from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet, Communicator, PendingReduction, Reduced
 from ssfusion_lightning.comm.channels import Completed
 from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
 from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link
@@ -121,6 +122,17 @@ def reversed_buffers(plan: Plan, num_channels: int) -> Plan:
 
 
 class FusionEngine:
+    """Args beyond the components:
+        sparse_gradients: names of the parameters whose gradients are sparse COO tensors
+            (``nn.Embedding(sparse=True)``). They stay out of the policy's plan: each is a buffer
+            of its own at the end of the round, its nonzeros are the selection, summed exactly by
+            the communicator (by allgather where the communicator is approximate) with no error
+            feedback, and ``.grad`` gets a coalesced sparse tensor, as DDP leaves it.
+        grad_scaler: the GradScaler of fp16 mixed precision, if any. Its scale is in the
+            gradients: error feedback keeps its state unscaled, and a non-finite step is the
+            scaler's to skip: every rank writes inf into the gradients, whatever ``nonfinite`` says.
+    """
+
     def __init__(
         self,
         named_params: Sequence[tuple[str, nn.Parameter]],
@@ -130,6 +142,8 @@ class FusionEngine:
         communicator: Communicator,
         channels: ChannelSet,
         config: EngineConfig,
+        sparse_gradients: Collection[str] = (),
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
@@ -139,6 +153,10 @@ class FusionEngine:
         self.communicator = communicator
         self.channels = channels
         self.config = config
+        self.grad_scaler = grad_scaler
+        self._coo = frozenset(i for i, name in enumerate(self.names) if name in set(sparse_gradients))
+        # Sparse gradients must be summed exactly; Ok-Topk keeps only about k entries of a sum.
+        self._coo_communicator = communicator if communicator.exact else COMMUNICATORS.build("allgather")
         self.world_size = dist.get_world_size(channels[0].group) if dist.is_initialized() else 1
         self.step = 0
         self.sync_enabled = True
@@ -147,6 +165,7 @@ class FusionEngine:
         self._failed = False
         self._accumulating = False
         self._restored_accumulation: dict[str, Tensor] | None = None
+        self._loss_scale: Tensor | None = None  # the round's, taken at its first launch
         self._dense_storage: dict[tuple[int, int], Tensor] = {}
         # Like DDP: the first round runs in registration order, then the plan is rebuilt once
         # from the gradient-ready order rank 0 observed (DDP skips this with find_unused_parameters).
@@ -162,7 +181,10 @@ class FusionEngine:
 
     # ---------------------------------------------------------------- plan
     def specs(self, order: Sequence[int]) -> list[tuple[int, ParamSpec]]:
-        return [(i, ParamSpec(self.names[i], tuple(self.params[i].shape), self.params[i].dtype)) for i in order]
+        """The planned parameters in ``order`` (sparse-gradient parameters are not the policy's)."""
+        return [
+            (i, ParamSpec(self.names[i], tuple(self.params[i].shape), self.params[i].dtype)) for i in order if i not in self._coo
+        ]
 
     def _build_plan(self, order: Sequence[int], costs: Any = None) -> Plan:
         ctx = PlanContext(
@@ -173,9 +195,18 @@ class FusionEngine:
     def set_plan(self, plan: Plan) -> None:
         self.plan = plan
         self._dense_plan = dense_version(plan)
+        self._coo_buffers = tuple(
+            Buffer(index, (self._whole_tensor_slot(position),), index % len(self.channels))
+            for index, position in enumerate(sorted(self._coo), start=len(plan.buffers))
+        )
         self._dense_storage.clear()
         self._offloaded = self._decide_offload(plan)
         self._reset_round()
+
+    def _whole_tensor_slot(self, position: int) -> Slot:
+        """A sparse-gradient parameter's slot: sparse, any of its elements may be sent."""
+        numel = self.params[position].numel()
+        return Slot(self.names[position], position, tuple(self.params[position].shape), 0, numel, True, numel)
 
     def _decide_offload(self, plan: Plan) -> frozenset[int]:
         """Positions of the parameters compressed on the offload worker: thread/stream: every
@@ -193,9 +224,10 @@ class FusionEngine:
 
     def begin_backward(self) -> None:
         if self._restored_accumulation is not None:
-            for name, param in zip(self.names, self.params):
+            for position, (name, param) in enumerate(zip(self.names, self.params)):
                 grad = self._restored_accumulation.get(name)
                 param.grad = None if grad is None else grad.to(param.device)
+                self._used_unsynced[position] = grad is not None
             self._restored_accumulation = None
             self._accumulating = True
         if not self.sync_enabled:
@@ -221,8 +253,16 @@ class FusionEngine:
         def hook(param: Tensor) -> None:
             if self.sync_enabled:
                 self._mark_ready(position)
+            else:
+                self._used_unsynced[position] = True
 
         return hook
+
+    def _participates(self, position: int) -> bool:
+        """Whether a backward since the last synchronized round reached the parameter. One that no
+        backward reached (another optimizer's, in manual optimization) holds no gradient of this
+        round, whatever its ``.grad`` says: it sends zeros and keeps its error feedback as it is."""
+        return self._used[position] or self._used_unsynced[position]
 
     def _reset_round(self) -> None:
         plan = self.active_plan
@@ -235,10 +275,14 @@ class FusionEngine:
             and self.communicator.sums_dense
             and not self._offloaded  # an offloaded tensor may finish its check later
         )
-        self._buffer_of = plan.buffer_of
-        self._missing = [len(b.slots) for b in plan.buffers]
-        self._pieces: list[list[Any]] = [[None] * len(b.slots) for b in plan.buffers]
+        # the round's buffers: the policy's plan, then one per sparse-gradient parameter
+        self._buffers = plan.buffers + self._coo_buffers
+        self._slot_of = {slot.param: (buffer.index, j) for buffer in self._buffers for j, slot in enumerate(buffer.slots)}
+        self._missing = [len(b.slots) for b in self._buffers]
+        self._pieces: list[list[Any]] = [[None] * len(b.slots) for b in self._buffers]
         self._used = [False] * len(self.params)
+        # parameters a backward reached since the last synchronized round (accumulation)
+        self._used_unsynced = [False] * len(self.params)
         self._ready_order: list[int] = []
         self._finite: list[Tensor] = []
         self._sparsifier_snapshot: dict[str, Any] | None = None  # taken before the round's first selection
@@ -252,16 +296,16 @@ class FusionEngine:
         self._ready_order.append(position)
         if self.profiling:
             self._profiler.ready(self.names[position])
-        buffer_index, slot_index = self.active_plan.slot_of[position]
-        if self.policy.per_tensor:
-            self._compress_slot(self.active_plan.buffers[buffer_index], slot_index)
+        buffer_index, slot_index = self._slot_of[position]
+        if self.policy.per_tensor and position not in self._coo:
+            self._compress_slot(self._buffers[buffer_index], slot_index)
             if self.profiling:
                 self._profiler.resume()  # main-thread compression is not backward time
         self._missing[buffer_index] -= 1
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        buffers = self.active_plan.buffers
+        buffers = self._buffers
         while self._next < len(buffers) and self._missing[self._next] == 0:
             self._launch(buffers[self._next])
             self._next += 1
@@ -282,32 +326,41 @@ class FusionEngine:
             self._dense_storage[key] = out
         return out
 
-    def _grad(self, position: int) -> Tensor:
-        param = self.params[position]
-        return param.grad if param.grad is not None else torch.zeros_like(param)
+    def _grad(self, position: int) -> Tensor | None:
+        """This round's gradient of a parameter; None for one no backward reached since the last
+        round (another optimizer's, in manual optimization): it sends zeros, error feedback untouched."""
+        grad = self.params[position].grad if self._participates(position) else None
+        # a sparse gradient from a module not recognised as such (F.embedding(sparse=True)): sent like any dense one
+        return grad.to_dense() if grad is not None and grad.is_sparse else grad
 
-    def _context(self) -> CompressContext:
+    def _context(self, buffer: Buffer) -> CompressContext:
         if self._sparsifier_snapshot is None:
             # selection may move thresholds: restore them if this round is dropped as non-finite
             self._sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
+            self._loss_scale = self._current_loss_scale()
         on_selected = self._profiler.compressed if self.profiling else None
-        return CompressContext(self.sparsifier, self.memory, 1.0 / self.world_size, on_selected)
+        like = self.params[buffer.slots[0].param]
+        return CompressContext(
+            self.sparsifier, self.memory, 1.0 / self.world_size, on_selected, self._loss_scale, like.dtype, like.device
+        )
 
     def _compress_slot(self, buffer: Buffer, j: int) -> None:
         """Sparsification ahead of fusion: one tensor, as soon as its gradient is ready, here or on
         the offload worker (SSFusion-O) as the plan decided."""
         slot = buffer.slots[j]
-        grad, ctx, dense_out = self._grad(slot.param), self._context(), self._dense_out(buffer)
-        if slot.param in self._offloaded:
+        grad, ctx, dense_out = self._grad(slot.param), self._context(buffer), self._dense_out(buffer)
+        if grad is not None and slot.param in self._offloaded:
             if self.offloader.stages_on_host:
                 grad = self.offloader.stage(slot.param, [grad])[0]
             self._pieces[buffer.index][j] = self.offloader.submit(self._timed_slot, slot, grad, dense_out, ctx, True)
         else:
             self._pieces[buffer.index][j] = self._timed_slot(slot, grad, dense_out, ctx, False)
 
-    def _timed_slot(self, slot: Slot, grad: Tensor, dense_out: Tensor | None, ctx: CompressContext, offloaded: bool) -> Piece:
+    def _timed_slot(
+        self, slot: Slot, grad: Tensor | None, dense_out: Tensor | None, ctx: CompressContext, offloaded: bool
+    ) -> Piece:
         started = time.perf_counter()
-        if slot.sparse:
+        if slot.sparse and grad is not None:
             self._finite.append(all_finite([grad]))
         piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
         elapsed = time.perf_counter() - started
@@ -318,45 +371,77 @@ class FusionEngine:
         return piece
 
     def _launch(self, buffer: Buffer) -> None:
-        if not self.policy.per_tensor:
+        if buffer.slots[0].param in self._coo:
+            self._submit_launch(buffer, self._encode_sparse_gradient(buffer.slots[0]))
+        elif not self.policy.per_tensor:
             self._launch_whole(buffer)
-            return
-        for j, piece in enumerate(self._pieces[buffer.index]):
-            if piece is None:  # no gradient on this rank: it sends zeros, so every rank issues alike
-                self._compress_slot(buffer, j)
-        if self.offloader is None:
-            self._pending.append(self._pack_and_launch(buffer))
-        else:  # behind the buffer's offloaded pieces, and launches keep plan order on the channels
-            self._pending.append(self.offloader.submit(self._pack_and_launch, buffer))
+        else:
+            for j, piece in enumerate(self._pieces[buffer.index]):
+                if piece is None:  # no gradient on this rank: it sends zeros, so every rank issues alike
+                    self._compress_slot(buffer, j)
+            if self.offloader is None:
+                self._pending.append(self._pack_and_launch(buffer))
+            else:  # behind the buffer's offloaded pieces, and launches keep plan order on the channels
+                self._pending.append(self.offloader.submit(self._pack_and_launch, buffer))
 
     def _pack_and_launch(self, buffer: Buffer):
         """Runs after every piece of the buffer: the worker is FIFO, so offloaded pieces are done."""
         pieces = [piece.result() if isinstance(piece, Future) else piece for piece in self._pieces[buffer.index]]
-        encoded = self.policy.pack(buffer, pieces, self._dense_out(buffer), self._context())
+        encoded = self.policy.pack(buffer, pieces, self._dense_out(buffer), self._context(buffer))
         return self._launch_encoded(buffer, self._finish_encoding(buffer, encoded))
 
     def _launch_whole(self, buffer: Buffer) -> None:
         """Whole-buffer policies (``behind``): compress the complete buffer at once."""
         grads = [self._grad(slot.param) for slot in buffer.slots]
-        if self.offloader is None:
-            self._pending.append(self._compress_and_launch(buffer, grads))
-        elif buffer.slots[0].param in self._offloaded:
+        if self.offloader is not None and buffer.slots[0].param in self._offloaded:
             if self.offloader.stages_on_host:
-                grads = self.offloader.stage(buffer.index, grads)
+                grads = [None if g is None else self.offloader.stage(slot.param, [g])[0] for slot, g in zip(buffer.slots, grads)]
             self._pending.append(self.offloader.submit(self._compress_and_launch, buffer, grads))
-        else:  # compressed here; the launch still goes through the worker, so channels see plan order
-            self._pending.append(self.offloader.submit(self._launch_encoded, buffer, self._compress_buffer(buffer, grads)))
+        else:
+            self._submit_launch(buffer, self._compress_buffer(buffer, grads))
 
-    def _compress_buffer(self, buffer: Buffer, grads: list[Tensor]) -> Encoded:
+    def _submit_launch(self, buffer: Buffer, encoded: Encoded) -> None:
+        if self.offloader is None:
+            self._pending.append(self._launch_encoded(buffer, encoded))
+        else:  # launches still go through the worker, so channels see buffers in plan order
+            self._pending.append(self.offloader.submit(self._launch_encoded, buffer, encoded))
+
+    def _current_loss_scale(self) -> Tensor | None:
+        """The factor this round's gradients carry: the tensor the scaler multiplied the loss by.
+        (``GradScaler.get_scale()`` would copy it to the host, a sync in the middle of the backward.)"""
+        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+            return None
+        return self.grad_scaler._scale
+
+    def _encode_sparse_gradient(self, slot: Slot) -> Encoded:
+        """A sparse-gradient parameter's nonzeros, scaled by 1/P: the rows of its COO gradient
+        (the whole of a dense one, when the weight is also used densely, e.g. tied to a head);
+        none where no backward reached it on this rank."""
+        param = self.params[slot.param]
+        grad = param.grad if self._participates(slot.param) else None
+        if grad is None:
+            values = param.new_empty(0)
+            indices = torch.empty(0, dtype=torch.int64, device=param.device)
+        elif grad.is_sparse:
+            grad = grad.coalesce()
+            row = math.prod(grad.shape[grad.sparse_dim() :])
+            rows = _flat_rows(grad.indices(), grad.shape[: grad.sparse_dim()])
+            indices = (rows.unsqueeze(1) * row + torch.arange(row, device=rows.device)).reshape(-1)
+            values = grad.values().reshape(-1)
+        else:
+            values, indices = grad.reshape(-1), torch.arange(slot.numel, device=grad.device)
+        return Encoded(dense=None, values=values * (1.0 / self.world_size), indices=indices)
+
+    def _compress_buffer(self, buffer: Buffer, grads: list[Tensor | None]) -> Encoded:
         started = time.perf_counter()
-        sparse = [g for slot, g in zip(buffer.slots, grads) if slot.sparse]
+        sparse = [g for slot, g in zip(buffer.slots, grads) if slot.sparse and g is not None]
         if sparse:
             self._finite.append(all_finite(sparse))
-        encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context())
+        encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context(buffer))
         self.metrics.compress_seconds += time.perf_counter() - started
         return self._finish_encoding(buffer, encoded)
 
-    def _compress_and_launch(self, buffer: Buffer, grads: list[Tensor]):
+    def _compress_and_launch(self, buffer: Buffer, grads: list[Tensor | None]):
         return self._launch_encoded(buffer, self._compress_buffer(buffer, grads))
 
     def _finish_encoding(self, buffer: Buffer, encoded: Encoded) -> Encoded:
@@ -367,7 +452,8 @@ class FusionEngine:
         return encoded
 
     def _launch_encoded(self, buffer: Buffer, encoded: Encoded) -> tuple[Buffer, PendingReduction, Encoded]:
-        pending = self.communicator.launch(encoded, buffer, self.channels)
+        communicator = self._coo_communicator if buffer.slots[0].param in self._coo else self.communicator
+        pending = communicator.launch(encoded, buffer, self.channels)
         self.metrics.buffers += 1
         self.metrics.dense_tensors += len(buffer.dense_slots)
         self.metrics.sparse_tensors += len(buffer.sparse_slots)
@@ -379,7 +465,7 @@ class FusionEngine:
         """Launch what is left (missing gradients count as zeros), wait, decode, write ``.grad``."""
         if not self.sync_enabled:
             return self.metrics
-        buffers = self.active_plan.buffers
+        buffers = self._buffers
         while self._next < len(buffers):
             self._launch(buffers[self._next])
             self._next += 1
@@ -396,7 +482,7 @@ class FusionEngine:
         started = time.perf_counter()
         results = [(buffer, self._wait(buffer, pending), encoded) for buffer, pending, encoded in launched]
         if self._vote_in_dense:
-            last, reduced, _ = results[-1]
+            last, reduced, _ = results[len(self.active_plan.buffers) - 1]
             votes = reduced.dense[last.dense_numel :]
         else:
             votes = self._settle(health, "non-finite check") if health is not None else None
@@ -404,10 +490,14 @@ class FusionEngine:
         globally_used = self._settle(usage, "unused-parameter agreement").tolist() if usage is not None else None
         self.metrics.exposed_comm_seconds += time.perf_counter() - started
         if unhealthy:
-            return self._drop_round(f"on rank(s) {unhealthy}")
-        if not bool(all_finite([reduced.dense for _, reduced, _ in results if reduced.dense is not None])):
-            own = "finite" if bool(all_finite([p.grad for p in self.params if p.grad is not None])) else "non-finite"
-            return self._drop_round(f"in the all-reduced dense gradients (this rank's own were {own})")
+            return self._drop_round(f"on rank(s) {unhealthy}", globally_used)
+        # exact sums carry any rank's NaN/Inf to every rank: dense parts and sparse gradients
+        summed = [reduced.dense for _, reduced, _ in results if reduced.dense is not None]
+        coo_sums = [reduced.sparse for buffer, reduced, _ in results if buffer.slots[0].param in self._coo]
+        if not bool(all_finite(summed + coo_sums)):
+            own = "finite" if bool(all_finite(_local_gradients(self.params))) else "non-finite"
+            where = "all-reduced dense gradients" + (" or the summed sparse gradients" if coo_sums else "")
+            return self._drop_round(f"in the {where} (this rank's own were {own})", globally_used)
         for buffer, reduced, encoded in results:
             self._write_gradients(buffer, reduced, globally_used)
             self._update_memory(encoded, reduced)
@@ -442,12 +532,24 @@ class FusionEngine:
             vector[rank] = torch.logical_not(torch.stack(self._finite).all()).to(vector.dtype)
         return vector
 
-    def _drop_round(self, where: str) -> StepMetrics:
-        """Every rank drops the round alike: no gradient written, error feedback and thresholds untouched."""
+    def _drop_round(self, where: str, globally_used: list[int] | None) -> StepMetrics:
+        """Every rank drops the round alike: error feedback and thresholds untouched, and either
+        no gradient written or, with a GradScaler, inf in every gradient the round would have
+        written, so that the scaler skips the step and lowers its scale."""
         if self._sparsifier_snapshot is not None:
             self.sparsifier.load_state_dict(self._sparsifier_snapshot)
         step = self.step
         self._reset_round()
+        if self._current_loss_scale() is not None:
+            for position, param in enumerate(self.params):
+                if globally_used is None or globally_used[position]:
+                    if param.grad is None or param.grad.is_sparse:
+                        param.grad = torch.full_like(param, math.inf)
+                    else:
+                        param.grad.fill_(math.inf)
+            metrics, self.metrics = self.metrics, StepMetrics()
+            metrics.skipped_steps = 1
+            return metrics
         if self.config.nonfinite == "raise":
             raise NonFiniteGradientError(
                 f"ssfusion: non-finite (NaN/Inf) gradient at step {step} {where}; every rank stops here. "
@@ -491,8 +593,10 @@ class FusionEngine:
         return self.channels[0].submit(_broadcast_from_rank0, torch.tensor(order, dtype=torch.int64, device=self.channels.device))
 
     def _agree_on_usage(self) -> Future:
-        """DDP's find_unused_parameters: a parameter no rank used keeps ``.grad`` untouched."""
-        used = torch.tensor(self._used, dtype=torch.uint8, device=self.channels.device)
+        """DDP's find_unused_parameters: a parameter no rank used (in any micro-batch since the last
+        synchronized round) keeps ``.grad`` untouched."""
+        used = [self._participates(position) for position in range(len(self.params))]
+        used = torch.tensor(used, dtype=torch.uint8, device=self.channels.device)
         return self.channels[0].submit(_allreduce_max, used)
 
     def _write_gradients(self, buffer: Buffer, reduced: Reduced, globally_used: list[int] | None) -> None:
@@ -502,8 +606,11 @@ class FusionEngine:
                 continue
             part = reduced.sparse if slot.sparse else reduced.dense
             value = part[slot.offset : slot.offset + slot.numel].view(slot.shape)
-            if param.grad is None:
-                param.grad = value.clone()
+            if slot.param in self._coo:
+                param.grad = _row_sparse(value)
+            elif param.grad is None or param.grad.is_sparse:
+                # in the parameter's memory format (channels_last stays channels_last), as DDP's are
+                param.grad = torch.empty_like(param).copy_(value)
             else:
                 param.grad.copy_(value)
 
@@ -511,11 +618,11 @@ class FusionEngine:
         for update in encoded.updates:
             sent = update.sent
             if sent is None:
-                self.memory.settle_dense(update.key, update.compensated)
+                self.memory.settle_dense(update.key, update.compensated, loss_scale=self._loss_scale)
                 continue
             if reduced.applied is not None:
                 sent = sent[torch.isin(sent + update.offset, reduced.applied.to(sent.device))]
-            self.memory.update(update.key, update.compensated, sent)
+            self.memory.update(update.key, update.compensated, sent, loss_scale=self._loss_scale)
 
     def _count_traffic(self, buffer: Buffer, reduced: Reduced) -> None:
         t = reduced.traffic
@@ -597,6 +704,27 @@ def _to_device(state: Any, device: torch.device) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_to_device(v, device) for v in state)
     return state
+
+
+def _flat_rows(indices: Tensor, shape: Sequence[int]) -> Tensor:
+    """Row-major positions of a COO tensor's index columns in its sparse dimensions ``shape``."""
+    flat = indices[0]
+    for dim in range(1, len(shape)):
+        flat = flat * shape[dim] + indices[dim]
+    return flat
+
+
+def _row_sparse(summed: Tensor) -> Tensor:
+    """A coalesced COO tensor with one sparse dimension (the layout of an embedding's gradient)
+    holding the rows of ``summed`` that have a nonzero. (A row whose sum is exactly zero is left
+    out, where DDP's sparse all-reduce would keep it as explicit zeros.)"""
+    rows = summed.reshape(summed.shape[0], -1).ne(0).any(dim=1).nonzero().view(-1)
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), summed.index_select(0, rows), summed.shape, is_coalesced=True)
+
+
+def _local_gradients(params: Sequence[Tensor]) -> list[Tensor]:
+    """This rank's gradients as dense-layout tensors (a sparse one by its values)."""
+    return [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
 
 
 def _broadcast_from_rank0(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -61,6 +61,17 @@ class CompressContext:
     scale: float  # 1 / world size, applied while packing as DDP does
     #: called with (numel, seconds) for every selection while the engine profiles
     on_selected: Callable[[int, float], None] | None = None
+    #: the factor this round's gradients carry (a GradScaler's scale, 0-d tensor), None without one
+    loss_scale: Tensor | None = None
+    #: dtype and device of the buffer's gradients (the zeros an idle parameter sends)
+    dtype: torch.dtype = torch.float32
+    device: torch.device | None = None
+
+    def compensate(self, key: str, grad: Tensor) -> Tensor:
+        return self.memory.compensate(key, grad, loss_scale=self.loss_scale)
+
+    def compensate_dense(self, key: str, grad: Tensor) -> Tensor | None:
+        return self.memory.compensate_dense(key, grad, loss_scale=self.loss_scale)
 
     def select(self, compensated: Tensor, key: str, k: int) -> tuple[Tensor, Tensor]:
         if self.on_selected is None:
@@ -99,15 +110,26 @@ class FusionPolicy(ABC):
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         """Cut ``params`` (position, spec) given in backward order into buffers."""
 
-    def compress_slot(self, slot: Slot, grad: Tensor, dense_out: Tensor | None, ctx: CompressContext) -> Piece:
+    def compress_slot(self, slot: Slot, grad: Tensor | None, dense_out: Tensor | None, ctx: CompressContext) -> Piece:
         """One tensor: a dense slot is scaled into ``dense_out`` (with any error-feedback state it
-        still owes); a sparse slot is compensated and selected with its own k."""
+        still owes); a sparse slot is compensated and selected with its own k. A None gradient is
+        a parameter this rank's backward did not reach: it sends zeros and its error feedback is
+        left alone."""
         if not slot.sparse:
-            compensated = ctx.memory.compensate_dense(slot.name, grad)
+            packed = dense_out[slot.offset : slot.offset + slot.numel]
+            if grad is None:
+                packed.zero_()
+                return Piece()
+            compensated = ctx.compensate_dense(slot.name, grad)
             source = grad if compensated is None else compensated
-            torch.mul(source.reshape(-1), ctx.scale, out=dense_out[slot.offset : slot.offset + slot.numel])
+            # written through a view in the slot's shape: a gradient in another memory format
+            # (channels_last) lands in logical order with no contiguous copy first
+            torch.mul(source, ctx.scale, out=packed.view(slot.shape))
             return Piece(update=None if compensated is None else PendingUpdate(slot.name, compensated, None, slot.offset))
-        compensated = ctx.memory.compensate(slot.name, grad)
+        if grad is None:
+            v, i = idle_selection(slot, ctx, self.aligned)
+            return Piece(v * ctx.scale, i + slot.offset)
+        compensated = ctx.compensate(slot.name, grad)
         v, i = ctx.select(compensated, slot.name, slot.k)
         if self.aligned:
             v, i = exact_count(v, i, compensated.reshape(-1), slot.k)
@@ -127,10 +149,25 @@ class FusionPolicy(ABC):
             shared_indices=ctx.sparsifier.shared_indices,
         )
 
-    def compress(self, buffer: Buffer, grads: Sequence[Tensor], dense_out: Tensor | None, ctx: CompressContext) -> Encoded:
+    def compress(
+        self, buffer: Buffer, grads: Sequence[Tensor | None], dense_out: Tensor | None, ctx: CompressContext
+    ) -> Encoded:
         """The whole buffer at once (what the engine calls for policies that are not ``per_tensor``)."""
         pieces = [self.compress_slot(slot, grad, dense_out, ctx) for slot, grad in zip(buffer.slots, grads)]
         return self.pack(buffer, pieces, dense_out, ctx)
+
+
+def idle_selection(slot: Slot, ctx: CompressContext, aligned: bool) -> tuple[Tensor, Tensor]:
+    """The zeros a sparse slot sends for a parameter that got no gradient on this rank: every rank
+    still issues the same collectives, with messages of the shape the others expect."""
+    if ctx.sparsifier.shared_indices:
+        # values are summed at positions every rank shares; they depend on the step and key only
+        positions = ctx.sparsifier.select(torch.zeros(slot.shape, dtype=ctx.dtype, device=ctx.device), key=slot.name, k=slot.k)[1]
+    elif aligned:
+        positions = torch.arange(slot.k, device=ctx.device)  # every rank sends exactly k pairs
+    else:
+        positions = torch.empty(0, dtype=torch.int64, device=ctx.device)
+    return torch.zeros(positions.numel(), dtype=ctx.dtype, device=ctx.device), positions
 
 
 def count_bound(buffer: Buffer, sparsifier: Sparsifier) -> int | None:

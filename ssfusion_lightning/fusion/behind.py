@@ -44,16 +44,25 @@ class BehindPolicy(FusionPolicy):
             params, ctx, ctx.buffer_bytes, lambda spec: sparse, lambda spec: k_for(spec.numel, density), ctx.first_buffer_bytes
         )
 
-    def compress(self, buffer: Buffer, grads: Sequence[Tensor], dense_out: Tensor | None, ctx: CompressContext) -> Encoded:
+    def compress(
+        self, buffer: Buffer, grads: Sequence[Tensor | None], dense_out: Tensor | None, ctx: CompressContext
+    ) -> Encoded:
         if not buffer.sparse_slots:
             return super().compress(buffer, grads, dense_out, ctx)
-        # Error feedback stays per tensor, so re-planned buffers never lose a residual.
-        compensated = [ctx.memory.compensate(slot.name, grad) for slot, grad in zip(buffer.slots, grads)]
+        # Error feedback stays per tensor, so re-planned buffers never lose a residual. A parameter
+        # this rank's backward did not reach (None) joins the fused tensor as zeros, with no
+        # compensation and no update: whatever of it is selected sends zeros.
+        compensated = [
+            torch.zeros(slot.shape, dtype=ctx.dtype, device=ctx.device) if grad is None else ctx.compensate(slot.name, grad)
+            for slot, grad in zip(buffer.slots, grads)
+        ]
         fused = torch.cat([c.reshape(-1) for c in compensated])
         k = sum(slot.k for slot in buffer.slots)
         values, indices = ctx.select(fused, f"buffer{buffer.index}", k)
         updates = []
-        for slot, tensor in zip(buffer.slots, compensated):
+        for slot, tensor, grad in zip(buffer.slots, compensated, grads):
+            if grad is None:
+                continue
             mine = (indices >= slot.offset) & (indices < slot.offset + slot.numel)
             updates.append(PendingUpdate(slot.name, tensor, indices[mine] - slot.offset, slot.offset))
         return Encoded(
