@@ -225,6 +225,11 @@ def test_a_mid_training_checkpoint_loads_with_torch_defaults_and_without_the_pac
     for name, tensor in checkpoint["state_dict"].items():
         assert torch.equal(loaded["state_dict"][name], tensor), name
 
+    # Lightning's own strategies resume from it and ignore the engine entry
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(PortableNet(width=12), DataLoader(regression_data(), batch_size=16), ckpt_path=path)
+    assert trainer.global_step == 4
+
 
 def test_the_blocker_really_blocks(tmp_path):
     """The subprocess above proves something only if importing the package there fails."""
