@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 import ssfusion_lightning as ssf
@@ -69,6 +70,8 @@ def test_plan_and_costs_round_trip_through_the_safe_loader(tmp_path, policy):
 
 def test_only_plain_values_pass_and_the_culprit_is_named():
     assert engine_state.plain({"a": (1, 2.5, [True, None]), 3: "x"}) == {"a": [1, 2.5, [True, None]], 3: "x"}
+    nested = OmegaConf.create({"choice": "zen", "sizes": [1, 2]})  # strategy options from a Hydra config
+    assert engine_state.plain({"comm_options": nested}) == {"comm_options": {"choice": "zen", "sizes": [1, 2]}}
     with pytest.raises(TypeError, match=r"sparsifier state\['scale'\] holds a numpy.float64"):
         engine_state.plain({"scale": np.float64(1.0)}, "sparsifier state")
     with pytest.raises(TypeError, match=r"memory state\['m'\]\[0\] holds a .*Link"):

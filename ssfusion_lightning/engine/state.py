@@ -16,6 +16,7 @@ import dataclasses
 import io
 import os
 import pickle
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,14 +46,14 @@ def plain(value: Any, where: str = "engine state") -> Any:
         if type(tensor) is not Tensor:
             raise TypeError(f"{where} holds a {type(value).__name__}; only plain torch.Tensor values can be checkpointed")
         return tensor
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):  # also an OmegaConf DictConfig from a Hydra config
         out = {}
         for key, item in value.items():
             if type(key) not in _SCALARS:
                 raise TypeError(f"{where} has a key of type {type(key).__name__} ({key!r}); keys must be str, int, float or bool")
             out[key] = plain(item, f"{where}[{key!r}]")
         return out
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return [plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
     raise TypeError(
         f"{where} holds a {type(value).__module__}.{type(value).__qualname__}; a checkpoint's engine state may hold only "
