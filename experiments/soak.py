@@ -98,7 +98,7 @@ def newest_readable_checkpoint(directory: str) -> str | None:
     paths = sorted(glob.glob(os.path.join(directory, "ckpt", "step=*.ckpt")), key=checkpoint_step)
     for path in reversed(paths):
         try:
-            torch.load(path, map_location="cpu", weights_only=False)
+            torch.load(path, map_location="cpu")  # torch's safe default: checkpoints hold plain values only
             return path
         except Exception:  # noqa: BLE001 - a torn file is expected after SIGKILL
             continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from ssfusion_lightning.comm import available_communicators, sparse_allreduce
+from ssfusion_lightning.engine.state import strip_engine_state
 from ssfusion_lightning.fusion import available_fusion_policies
 from ssfusion_lightning.sparsifiers import available_sparsifiers, build_memory, build_sparsifier
 from ssfusion_lightning.strategy import SSFusionStrategy
@@ -23,4 +24,5 @@ __all__ = [
     "build_memory",
     "build_sparsifier",
     "sparse_allreduce",
+    "strip_engine_state",
 ]

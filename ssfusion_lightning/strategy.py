@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generator, Literal, Optional
@@ -30,6 +31,8 @@ from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.engine.engine import NONFINITE_POLICIES, EngineConfig, FusionEngine
 from ssfusion_lightning.engine.errors import CommunicationError
 from ssfusion_lightning.engine.metrics import StepMetrics
+from ssfusion_lightning.engine.state import CHECKPOINT_KEY, ResumeChanges, gather_to_rank0, plain, resume_changes
+from ssfusion_lightning.engine.state import FORMAT as ENGINE_STATE_FORMAT
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, validate_density
@@ -37,7 +40,6 @@ from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, va
 log = logging.getLogger(__name__)
 
 OFFLOAD_CHOICES = ("none", "thread", "stream", "auto")
-CHECKPOINT_KEY = "ssfusion_engine"
 #: density of a sparsifier given by name when ``density`` is not passed
 DEFAULT_DENSITY = 0.01
 _TORCH_DISTRIBUTED_DIR = os.path.dirname(dist.__file__) + os.sep
@@ -231,23 +233,35 @@ class SSFusionStrategy(DDPStrategy):
 
     def config_fingerprint(self) -> dict[str, Any]:
         """Everything that must be identical on all ranks for them to issue the same collectives."""
-        sparsifier = self.sparsifier_spec
         return {
-            "sparsifier": sparsifier if isinstance(sparsifier, str) else f"{type(sparsifier).__name__}({sparsifier.density})",
-            "density": self.density,
-            "memory": self.memory_name,
-            "fusion": self.fusion_name,
-            "comm": self.comm_name,
-            "buffer_mb": self.buffer_mb,
-            "first_buffer_mb": self.first_buffer_mb,
-            "process_groups": self.process_groups,
-            "offload": self.offload,
-            "warmup_steps": self.warmup_steps,
-            "find_unused_parameters": self.find_unused_parameters,
-            "nonfinite": self.nonfinite,
-            "options": (self.comm_options, self.fusion_options, self.memory_options),
+            **self.engine_config(),
             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters() if p.requires_grad],
         }
+
+    def engine_config(self) -> dict[str, Any]:
+        """The configuration fields as plain values: checked across ranks at setup, and saved in
+        checkpoints so that a resumed run knows what changed (``RESUME_RULES`` decides per field)."""
+        sparsifier = self.sparsifier_spec
+        return plain(
+            {
+                "sparsifier": sparsifier if isinstance(sparsifier, str) else f"{type(sparsifier).__name__}({sparsifier.density})",
+                "density": self.density,
+                "memory": self.memory_name,
+                "fusion": self.fusion_name,
+                "comm": self.comm_name,
+                "buffer_mb": self.buffer_mb,
+                "first_buffer_mb": self.first_buffer_mb,
+                "process_groups": self.process_groups,
+                "offload": self.offload,
+                "warmup_steps": self.warmup_steps,
+                "find_unused_parameters": self.find_unused_parameters,
+                "nonfinite": self.nonfinite,
+                "comm_options": self.comm_options,
+                "fusion_options": self.fusion_options,
+                "memory_options": self.memory_options,
+            },
+            "strategy configuration",
+        )
 
     def _check_same_config_on_all_ranks(self) -> None:
         """A mismatch (e.g. another density on one rank) is an error at setup, not a hang later."""
@@ -387,21 +401,34 @@ class SSFusionStrategy(DDPStrategy):
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Runs on every rank: gather each rank's engine state into rank 0's checkpoint."""
+        """Runs on every rank: gather each rank's engine state into rank 0's checkpoint, as tensors
+        and plain values only (see ``engine/state.py``), so the file loads with torch's safe default."""
         state = self.engine.state_dict() if self.engine is not None else self._final_engine_state
-        if state is not None:
+        # A weights-only checkpoint (ModelCheckpoint(save_weights_only=True)) cannot resume
+        # training, so like DDP's it holds no training state: no engine state either.
+        if state is not None and "optimizer_states" in checkpoint:
             if _distributed_is_initialized():
-                gathered = [None] * self.world_size if self.is_global_zero else None
-                dist.gather_object(state, gathered, dst=0)
+                device = self.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+                gathered = gather_to_rank0(state, device)
             else:
                 gathered = [state]
             if self.is_global_zero:
-                checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": gathered}
+                checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "config": self.engine_config(), "ranks": gathered}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        # The engine state holds plan dataclasses, not only tensors.
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False if weights_only is None else weights_only)
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except pickle.UnpicklingError as error:
+            if "ssfusion_lightning" not in str(error):
+                raise
+            raise pickle.UnpicklingError(
+                f"{checkpoint_path} holds engine state in the pickled format of ssfusion-lightning before format "
+                f"{ENGINE_STATE_FORMAT}, which torch.load(weights_only=True) refuses. If you trust the file, resume with "
+                "trainer.fit(..., weights_only=False): the old state is migrated on load and the next checkpoint is written "
+                "in the new format; or drop the engine state with ssfusion_lightning.strip_engine_state(path_in, path_out, "
+                "weights_only=False)"
+            ) from error
         self._restored_state = checkpoint.get(CHECKPOINT_KEY)
         if self.engine is not None and self._restored_state is not None:
             self._restore_engine(self._restored_state)
@@ -417,17 +444,26 @@ class SSFusionStrategy(DDPStrategy):
             or not all(isinstance(state, dict) for state in saved["ranks"])
         ):
             raise ValueError(f"the checkpoint's {CHECKPOINT_KEY!r} entry is corrupted: expected one engine state per rank")
-        ranks = saved["ranks"]
-        for state in ranks:  # every rank checks every slice, so all of them fail alike
-            self.engine.check_state(state)
+        # every rank checks every slice, so all of them fail alike
+        ranks = [self.engine.check_state(state) for state in saved["ranks"]]
+        if isinstance(saved.get("config"), dict):
+            changes = resume_changes(saved["config"], self.engine_config())
+            if changes.changed:
+                rank_zero_warn(changes.message())
+        else:
+            changes = ResumeChanges()
+            rank_zero_warn(
+                "ssfusion: this checkpoint predates saved configurations, so a changed configuration cannot be detected: "
+                "the saved plan is kept"
+            )
         if saved["world_size"] != self.world_size:
             rank_zero_warn(
                 f"checkpoint was written with world size {saved['world_size']}, now {self.world_size}: per-rank "
                 "error-feedback residuals and sparsifier state are reset; the step counter and plan are kept"
             )
-            self.engine.load_state_dict(ranks[0], per_rank=False)
+            self.engine.load_state_dict(ranks[0], per_rank=False, replan=changes.replan)
             return
-        self.engine.load_state_dict(ranks[self.global_rank])
+        self.engine.load_state_dict(ranks[self.global_rank], replan=changes.replan, fresh=changes.fresh)
 
     # ------------------------------------------------------------ spawn launcher
     def __getstate__(self) -> dict[str, Any]:

@@ -229,6 +229,7 @@ def test_resume_gives_the_same_trajectory(pool2, tmp_path, kwargs):
     # stateful sampler: Lightning's own ddp replays the epoch's first batches there too)
     for (p1, s1, lr1), (p2, s2, lr2) in pool2.run(checkpoint_run, str(tmp_path), 20, 8, kwargs):
         assert torch.equal(p1, p2)
+        assert s1["format"] == s2["format"] == 1
         assert lr1 == lr2 == 0.05 * 0.5
         assert s1["step"] == s2["step"] == 20
         assert s1["plan"] == s2["plan"] and s1["costs"] == s2["costs"]
@@ -237,6 +238,13 @@ def test_resume_gives_the_same_trajectory(pool2, tmp_path, kwargs):
         assert residuals1.keys() == residuals2.keys() and residuals1
         for key in residuals1:
             assert torch.equal(residuals1[key], residuals2[key]), key
+    # the mid-training checkpoint loads the usual ways, with torch's safe default (weights_only=True)
+    path = tmp_path / "step=8.ckpt"
+    checkpoint = torch.load(path)
+    assert [state["step"] for state in checkpoint["ssfusion_engine"]["ranks"]] == [8, 8]
+    model = Scheduled.load_from_checkpoint(path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, checkpoint["state_dict"][name]), name
 
 
 def resume_on_other_world_size(directory: str, kwargs: dict):

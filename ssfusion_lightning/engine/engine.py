@@ -31,6 +31,7 @@ from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_l
 from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
+from ssfusion_lightning.engine import state as engine_state
 from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, Slot
 from ssfusion_lightning.fusion import CompressContext, Encoded, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
@@ -635,57 +636,77 @@ class FusionEngine:
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "plan": self.plan,
-            "order": self.order,
-            "costs": self.costs,
-            "sparsifier": self.sparsifier.state_dict(),
-            "memory": self.memory.state_dict(),
-            "communicator": self.communicator.state_dict(),
+        """This rank's state in checkpoint format: tensors and plain values only (see ``state.py``)."""
+        accumulated = (
             # saved in the middle of gradient accumulation: the local sum so far (Lightning saves no .grad)
-            "accumulated": {n: p.grad.detach().cpu().clone() for n, p in zip(self.names, self.params) if p.grad is not None}
+            {n: p.grad.detach().cpu().clone() for n, p in zip(self.names, self.params) if p.grad is not None}
             if self._accumulating
-            else None,
+            else None
+        )
+        return {
+            "format": engine_state.FORMAT,
+            "step": self.step,
+            "plan": engine_state.encode_plan(self.plan),
+            "order": list(self.order),
+            "costs": engine_state.encode_costs(self.costs),
+            "sparsifier": engine_state.plain(self.sparsifier.state_dict(), "sparsifier state"),
+            "memory": engine_state.plain(self.memory.state_dict(), "memory state"),
+            "communicator": engine_state.plain(self.communicator.state_dict(), "communicator state"),
+            "accumulated": accumulated,
         }
 
-    def check_state(self, state: Any) -> None:
-        """Refuse a state that is corrupted or belongs to another model, with a clear error."""
-        keys = {"step", "plan", "order", "costs", "sparsifier", "memory", "communicator"}
-        if not isinstance(state, dict) or keys - set(state) or not isinstance(state["plan"], Plan):
-            found = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"corrupted engine state: expected entries {sorted(keys)}, found {found}")
+    def check_state(self, state: Any) -> dict[str, Any]:
+        """Refuse a state that is corrupted or belongs to another model, with a clear error; return
+        it in the current format (an older format is migrated)."""
+        state = engine_state.upgrade(state)
         if not isinstance(state["step"], int) or not isinstance(state["order"], list):
             raise ValueError("corrupted engine state: 'step' must be an int and 'order' a list")
-        saved = sorted((s.name, s.numel) for b in state["plan"].buffers for s in b.slots)
+        plan = engine_state.decode_plan(state["plan"])
+        saved = sorted((s.name, s.numel) for b in plan.buffers for s in b.slots)
         ours = sorted((spec.name, spec.numel) for _, spec in self.specs(range(len(self.params))))
         if saved != ours:
             differing = sorted({n for n, _ in ours} ^ {n for n, _ in saved})[:5]
             raise ValueError(
                 f"the checkpoint's engine state belongs to a different model (parameters differ, e.g. {differing})"
             )
+        if sorted(state["order"]) != list(range(len(self.params))):
+            raise ValueError(f"corrupted engine state: 'order' is not a permutation of the {len(self.params)} parameters")
+        engine_state.decode_costs(state["costs"])
+        return state
 
-    def load_state_dict(self, state: dict[str, Any], per_rank: bool = True) -> None:
-        """Restore a rank's state; with ``per_rank=False`` (another world size) keep only the step
-        counter and the plan, and start error feedback and sparsifier state afresh."""
-        self.check_state(state)
-        plan: Plan = state["plan"]
-        self.step = int(state["step"])
+    def load_state_dict(
+        self, state: dict[str, Any], per_rank: bool = True, replan: bool = False, fresh: Collection[str] = ()
+    ) -> None:
+        """Restore a rank's state. ``per_rank=False`` (another world size): keep the step counter
+        and the plan, start error feedback and sparsifier state afresh. ``replan``: the
+        configuration changed so that the saved plan no longer fits: plan anew from the saved
+        gradient order and costs. ``fresh``: components ("sparsifier", "communicator") whose saved
+        state belongs to another configuration, so they start afresh."""
+        state = self.check_state(state)
+        self.step = state["step"]
         self._rebuild_from_ready_order = False
         self.order = list(state["order"])
-        self.costs = state["costs"]
-        if self.step >= self._profile_end:
+        self.costs = engine_state.decode_costs(state["costs"])
+        if self._profiler is not None and self.costs is None and self.step >= self._profile_end:
+            # this run plans from costs (or offloads by them) and the saved run never measured any
+            # (another fusion policy or offload choice): measure them now, then re-plan as usual
+            self._profile_start = max(self.step, self._profile_start)
+            self._profile_end = self._profile_start + self.config.profile_steps
+        elif self.step >= self._profile_end:
             self._profiler = None
-        self.set_plan(plan)
         if not per_rank:
             self.memory.reset()
-            return
-        device = self.channels.device
-        # Put back right before the next backward: Lightning clears .grad while it restarts.
-        self._restored_accumulation = state.get("accumulated") or None
-        self.sparsifier.load_state_dict(_to_device(state["sparsifier"], device))
-        self.memory.load_state_dict(_to_device(state["memory"], device))
-        self.communicator.load_state_dict(_to_device(state["communicator"], device))
+        else:
+            device = self.channels.device
+            # Put back right before the next backward: Lightning clears .grad while it restarts.
+            self._restored_accumulation = state.get("accumulated") or None
+            if "sparsifier" not in fresh:
+                self.sparsifier.load_state_dict(_to_device(state["sparsifier"], device))
+            self.memory.load_state_dict(_to_device(state["memory"], device))
+            if "communicator" not in fresh:
+                self.communicator.load_state_dict(_to_device(state["communicator"], device))
+        # after the memory, so the new plan is set against the restored residuals
+        self.set_plan(self._build_plan(self.order, self.costs) if replan else engine_state.decode_plan(state["plan"]))
 
     def close(self) -> None:
         """Remove the hooks and stop the workers (without waiting on them after a failure)."""
