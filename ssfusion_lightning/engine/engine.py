@@ -200,6 +200,8 @@ class FusionEngine:
             Buffer(index, (self._whole_tensor_slot(position),), index % len(self.channels))
             for index, position in enumerate(sorted(self._coo), start=len(plan.buffers))
         )
+        # parameter -> (buffer, slot): the same for the plan and its dense version
+        self._slot_of = {**plan.slot_of, **{b.slots[0].param: (b.index, 0) for b in self._coo_buffers}}
         self._dense_storage.clear()
         self._offloaded = self._decide_offload(plan)
         self._reset_round()
@@ -278,7 +280,6 @@ class FusionEngine:
         )
         # the round's buffers: the policy's plan, then one per sparse-gradient parameter
         self._buffers = plan.buffers + self._coo_buffers
-        self._slot_of = {slot.param: (buffer.index, j) for buffer in self._buffers for j, slot in enumerate(buffer.slots)}
         self._missing = [len(b.slots) for b in self._buffers]
         self._pieces: list[list[Any]] = [[None] * len(b.slots) for b in self._buffers]
         self._used = [False] * len(self.params)
