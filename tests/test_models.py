@@ -71,6 +71,158 @@ def test_paper_parameter_counts(name, size):
     assert count(model) == pytest.approx(PAPER_COUNTS[name, size], rel=0.02)
 
 
+# --- reference layouts: tensor count and every tensor's shape, in parameter order ------------------
+# Fusion plans depend on the tensor count and shapes (the layer-wise and selective policies, ADTopk's
+# rows), not only on the element count, so every size above tiny is compared, tensor by tensor, with
+# the layout of its reference implementation, written here from the reference's configuration.
+Shapes = list[tuple[int, ...]]
+
+
+def _linear(out_features: int, in_features: int) -> Shapes:
+    return [(out_features, in_features), (out_features,)]
+
+
+def _norm(dim: int) -> Shapes:  # LayerNorm or BatchNorm: weight and bias
+    return [(dim,), (dim,)]
+
+
+def bert_reference(dim: int, depth: int, vocab: int = 30522, positions: int = 512, types: int = 2) -> Shapes:
+    """Hugging Face BertForMaskedLM without the pooler, in named_parameters order:
+    embeddings (word, position, token_type, LayerNorm) = 5; per layer query, key, value (weight and
+    bias each) = 6, attention.output.dense + LayerNorm = 4, intermediate.dense = 2, output.dense +
+    LayerNorm = 4, so 16; cls.predictions bias, transform.dense, transform.LayerNorm = 5 (the decoder
+    weight is the word embedding, its bias is cls.predictions.bias). 5 + 16 * depth + 5 tensors."""
+    ff = 4 * dim
+    embeddings = [(vocab, dim), (positions, dim), (types, dim), *_norm(dim)]
+    layer = [*_linear(dim, dim) * 3, *_linear(dim, dim), *_norm(dim), *_linear(ff, dim), *_linear(dim, ff), *_norm(dim)]
+    head = [(vocab,), *_linear(dim, dim), *_norm(dim)]
+    return embeddings + layer * depth + head
+
+
+def gpt2_reference(dim: int, depth: int, vocab: int = 50257, positions: int = 1024) -> Shapes:
+    """Hugging Face GPT2LMHeadModel (lm_head tied to wte): wte, wpe; per block ln_1, attn.c_attn (fused
+    query/key/value, as in OpenAI's release), attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj = 12; ln_f.
+    4 + 12 * depth tensors. Shapes in nn.Linear's (out, in) orientation: HF's Conv1D stores the
+    same matrices transposed, (in, out)."""
+    block = [*_norm(dim), *_linear(3 * dim, dim), *_linear(dim, dim), *_norm(dim), *_linear(4 * dim, dim), *_linear(dim, 4 * dim)]
+    return [(vocab, dim), (positions, dim), *block * depth, *_norm(dim)]
+
+
+def vit_reference(dim: int, depth: int, image: int = 224, patch: int = 16, classes: int = 1000) -> Shapes:
+    """timm's vit_*_patch16_224 (torchvision's vit_*_16 has the same tensors): cls_token, pos_embed,
+    patch_embed.proj; per block norm1, attn.qkv (fused), attn.proj, norm2, mlp.fc1, mlp.fc2 = 12;
+    norm, head. 8 + 12 * depth tensors."""
+    tokens = (image // patch) ** 2 + 1
+    block = [*_norm(dim), *_linear(3 * dim, dim), *_linear(dim, dim), *_norm(dim), *_linear(4 * dim, dim), *_linear(dim, 4 * dim)]
+    return [(1, 1, dim), (1, tokens, dim), (dim, 3, patch, patch), (dim,), *block * depth, *_norm(dim), *_linear(classes, dim)]
+
+
+def resnet_reference(bottleneck: bool, layers: tuple[int, ...], stem: str, classes: int) -> Shapes:
+    """torchvision's resnet18/50/152 (v1.5; ImageNet stem: 7x7 conv1) or, with the CIFAR stem (3x3
+    conv1, no max-pool), the usual CIFAR ResNet (kuangliu/pytorch-cifar) with the same tensors:
+    conv1, bn1; per block its convolutions, each followed by a BatchNorm, then a 1x1 conv + BatchNorm
+    shortcut where the shape changes; fc. resnet18: 3 + 8 * 6 + 3 * 3 + 2 = 62; resnet50:
+    3 + 16 * 9 + 4 * 3 + 2 = 161; resnet152: 3 + 50 * 9 + 4 * 3 + 2 = 467."""
+    kernel = 7 if stem == "imagenet" else 3
+    shapes = [(64, 3, kernel, kernel), *_norm(64)]
+    expansion = 4 if bottleneck else 1
+    channels_in = 64
+    for index, depth in enumerate(layers):
+        width = 64 * 2**index
+        for position in range(depth):
+            stride = 2 if index > 0 and position == 0 else 1
+            if bottleneck:
+                shapes += [(width, channels_in, 1, 1), *_norm(width), (width, width, 3, 3), *_norm(width)]
+                shapes += [(4 * width, width, 1, 1), *_norm(4 * width)]
+            else:
+                shapes += [(width, channels_in, 3, 3), *_norm(width), (width, width, 3, 3), *_norm(width)]
+            if stride != 1 or channels_in != width * expansion:
+                shapes += [(width * expansion, channels_in, 1, 1), *_norm(width * expansion)]
+            channels_in = width * expansion
+    return shapes + _linear(classes, channels_in)
+
+
+VGG16_CONVS = (64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512)
+VGG19_CONVS = (64, 64, 128, 128, 256, 256, 256, 256, 512, 512, 512, 512, 512, 512, 512, 512)
+
+
+def vgg_reference(convs: tuple[int, ...], imagenet: bool) -> Shapes:
+    """ImageNet: torchvision's vgg16/vgg19, every 3x3 conv with its bias, then the 25088-4096-4096-1000
+    classifier: 2 * convs + 6 tensors (vgg16 32, vgg19 38). CIFAR: the usual CIFAR VGG
+    (kuangliu/pytorch-cifar; torchvision's vgg*_bn features): conv (weight, bias) + BatchNorm per
+    conv, one linear layer: 4 * convs + 2 tensors (vgg16 54, vgg19 66)."""
+    shapes: Shapes = []
+    channels = 3
+    for out in convs:
+        shapes += [(out, channels, 3, 3), (out,)] + ([] if imagenet else _norm(out))
+        channels = out
+    if imagenet:
+        return shapes + _linear(4096, 512 * 7 * 7) + _linear(4096, 4096) + _linear(1000, 4096)
+    return shapes + _linear(10, 512)
+
+
+def lstm_reference(dim: int, vocab: int = 33278, layers: int = 2) -> Shapes:
+    """PyTorch's word_language_model RNNModel (LSTM, Zaremba et al. sizes, WikiText-2 vocabulary):
+    encoder; per layer weight_ih, weight_hh, bias_ih, bias_hh (gates stacked: 4 * hidden rows);
+    decoder. 1 + 4 * layers + 2 = 11 tensors."""
+    shapes = [(vocab, dim)]
+    for _ in range(layers):
+        shapes += [(4 * dim, dim), (4 * dim, dim), (4 * dim,), (4 * dim,)]
+    return shapes + _linear(vocab, dim)
+
+
+# (name, size) -> (reference layout, the reference's tensor count as published/derived above)
+REFERENCE_LAYOUTS: dict[tuple[str, str], tuple[Shapes, int]] = {
+    ("bert", "base"): (bert_reference(768, 12), 202),
+    ("bert", "large"): (bert_reference(1024, 24), 394),
+    ("gpt2", "small"): (gpt2_reference(768, 12), 148),
+    ("gpt2", "medium"): (gpt2_reference(1024, 24), 292),
+    ("gpt2", "large"): (gpt2_reference(1280, 36), 436),
+    ("vit", "small"): (vit_reference(384, 12), 152),
+    ("vit", "base"): (vit_reference(768, 12), 152),
+    ("vit", "large"): (vit_reference(1024, 24), 296),
+    ("resnet18", "imagenet"): (resnet_reference(False, (2, 2, 2, 2), "imagenet", 1000), 62),
+    ("resnet18", "cifar"): (resnet_reference(False, (2, 2, 2, 2), "cifar", 10), 62),
+    ("resnet50", "imagenet"): (resnet_reference(True, (3, 4, 6, 3), "imagenet", 1000), 161),
+    ("resnet50", "cifar"): (resnet_reference(True, (3, 4, 6, 3), "cifar", 10), 161),
+    ("resnet152", "imagenet"): (resnet_reference(True, (3, 8, 36, 3), "imagenet", 1000), 467),
+    ("resnet152", "cifar"): (resnet_reference(True, (3, 8, 36, 3), "cifar", 10), 467),
+    ("vgg16", "imagenet"): (vgg_reference(VGG16_CONVS, True), 32),
+    ("vgg16", "cifar"): (vgg_reference(VGG16_CONVS, False), 54),
+    ("vgg19", "imagenet"): (vgg_reference(VGG19_CONVS, True), 38),
+    ("vgg19", "cifar"): (vgg_reference(VGG19_CONVS, False), 66),
+    ("lstm", "medium"): (lstm_reference(650), 11),
+    ("lstm", "large"): (lstm_reference(1500), 11),
+}
+
+
+def test_every_size_above_tiny_has_a_reference_layout():
+    assert {(name, size) for name, size in all_sizes() if size != "tiny"} == set(REFERENCE_LAYOUTS)
+
+
+@pytest.mark.parametrize(("name", "size"), sorted(REFERENCE_LAYOUTS), ids=lambda value: str(value))
+def test_paper_size_layout_matches_the_reference(name, size):
+    reference, reference_count = REFERENCE_LAYOUTS[name, size]
+    assert len(reference) == reference_count  # the formula above agrees with the stated count
+    with torch.device("meta"):
+        model = build_model(name, size)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert len(shapes) == reference_count, f"{name}-{size}: {len(shapes)} tensors, the reference has {reference_count}"
+    mismatches = [(i, got, want) for i, (got, want) in enumerate(zip(shapes, reference)) if got != want]
+    assert not mismatches, f"{name}-{size}: (position, shape, reference shape) {mismatches[:5]}"
+
+
+def test_bert_projects_query_key_value_separately_and_ties_the_decoder():
+    with torch.device("meta"):
+        model = build_model("bert", "large")
+    names = [n for n, _ in model.named_parameters()]
+    layer = [n.removeprefix("blocks.0.") for n in names if n.startswith("blocks.0.")]
+    assert layer[:6] == [f"attention.{p}.{t}" for p in ("query", "key", "value") for t in ("weight", "bias")]
+    assert not any("qkv" in n for n in names)
+    # the decoder is the word embedding: no (vocab, dim) tensor besides it
+    assert [tuple(p.shape) for p in model.parameters()].count((30522, 1024)) == 1
+
+
 def test_lstm_paper_size():
     with torch.device("meta"):
         model = build_model("lstm", "large")

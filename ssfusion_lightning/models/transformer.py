@@ -1,4 +1,4 @@
-"""Transformer building blocks shared by ViT, GPT-2 and BERT."""
+"""Transformer building blocks shared by ViT and GPT-2 (whose reference layouts fuse query/key/value; BERT has its own)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Attention + MLP with residuals; ``norm_first`` selects pre-norm (ViT, GPT-2) or post-norm (BERT)."""
+    """Attention + MLP with residuals; ``norm_first`` selects pre-norm (ViT, GPT-2) or post-norm."""
 
     def __init__(
         self,

@@ -39,8 +39,9 @@ class VGG(nn.Module):
                 features.append(nn.MaxPool2d(2))
                 continue
             out_channels = width * int(item)
-            # A bias before BatchNorm is cancelled by the normalization.
-            features.append(nn.Conv2d(channels, out_channels, 3, padding=1, bias=not batch_norm))
+            # Every convolution keeps its bias, BatchNorm or not, as in the reference layouts (torchvision's
+            # vgg*/vgg*_bn and the usual CIFAR VGG): the plan sees the reference's tensors.
+            features.append(nn.Conv2d(channels, out_channels, 3, padding=1))
             if batch_norm:
                 features.append(nn.BatchNorm2d(out_channels))
             features.append(nn.ReLU(inplace=True))

@@ -1,0 +1,221 @@
+"""The cost-driven decisions at hand-computed points: ``choose_threshold`` (selective),
+``adaptive_boundaries`` (adaptive) and ``sparse_decisions`` (partial).
+
+Each test builds a CostProfile by hand (backward time per tensor, the compression line, alpha-beta
+links), works the policy's rule out in the comment, and asserts the decision on both sides of the
+point where it flips. Pure functions: no ranks, no timing.
+
+Units in the comments: microseconds (us). Every tensor is float32 (4 bytes) and the world has 2
+ranks, so with the formulas of ssfusion_lightning/costmodel.py
+
+    dense_seconds(n)  = allreduce.alpha + allreduce.beta * 2(P-1)/P * 4n = a_r + b_r * 4n
+    sparse_seconds(k) = allgather.alpha + allgather.beta * (P-1) * k * (4 + 4) = a_g + b_g * 8k
+    compress(n)       = compress_fixed + compress_per_element * n
+
+and topk at density d sends k = max(1, floor(d * n)) elements of an n-element tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssfusion_lightning.costmodel import CostProfile, Link
+from ssfusion_lightning.engine.plan import ParamSpec
+from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
+from ssfusion_lightning.fusion.adaptive import adaptive_boundaries
+from ssfusion_lightning.fusion.partial import sparse_decisions
+from ssfusion_lightning.fusion.selective import choose_threshold
+from ssfusion_lightning.sparsifiers import build_sparsifier
+
+US = 1e-6
+NS_PER_BYTE = 1e-9
+
+
+def specs(*sizes: int) -> list[tuple[int, ParamSpec]]:
+    """Tensors p0, p1, ... of the given sizes, in backward order."""
+    return [(i, ParamSpec(f"p{i}", (n,), torch.float32)) for i, n in enumerate(sizes)]
+
+
+def profile(backward_us=(), compress_fixed_us=0.0, compress_per_element_us=0.0, allreduce_alpha_us=0.0, allgather_alpha_us=0.0):
+    """Links at 1 ns per byte; alphas, backward and compression times in microseconds."""
+    return CostProfile(
+        backward={f"p{i}": t * US for i, t in enumerate(backward_us)},
+        compress_fixed=compress_fixed_us * US,
+        compress_per_element=compress_per_element_us * US,
+        allreduce=Link(allreduce_alpha_us * US, NS_PER_BYTE),
+        allgather=Link(allgather_alpha_us * US, NS_PER_BYTE),
+        world_size=2,
+        measured=True,
+    )
+
+
+def test_the_formulas_the_hand_computations_rely_on():
+    costs = profile(compress_fixed_us=5, compress_per_element_us=0.001, allreduce_alpha_us=10, allgather_alpha_us=20)
+    assert costs.dense_seconds(1000, 4) == pytest.approx((10 + 4000e-3) * US)  # a_r + 4n ns
+    assert costs.sparse_seconds(100, 4) == pytest.approx((20 + 800e-3) * US)  # a_g + 8k ns
+    assert costs.compress_seconds(1000) == pytest.approx((5 + 1) * US)
+    assert costs.dense_seconds(0, 4) == costs.sparse_seconds(0, 4) == 0.0  # nothing sent: no latency
+
+
+# --------------------------------------------------------------------------- selective: choose_threshold
+# One buffer of p0 (10 elements), p1 (20), p2 (1000): T = 1030. The candidates are tau = 0 and every
+# tensor size; tensors with n <= tau go dense. Budget: dense elements F <= density * T; a candidate
+# over the budget ends the search. The sparse tensors get density (density * T - F) / (T - F).
+#
+# density 0.1 (budget 103 elements), b_r = b_g = 1 ns/B, compression c = compress_fixed, no per-element
+# cost, allgather alpha a_g (every candidate pays it once), allreduce alpha a_r:
+#   tau = 0:    F = 0,  sparse density 0.1;            k = 1 + 2 + 100 = 103
+#               3c + a_g + 8 * 103 ns                = 3c + a_g + 0.824 us
+#   tau = 10:   F = 10, sparse density 93/1020;        k = floor(1.82) + floor(91.2) = 1 + 91 = 92
+#               2c + a_r + 4 * 10 ns + a_g + 8 * 92 ns = 2c + a_r + a_g + 0.776 us
+#   tau = 20:   F = 30, sparse density 73/1000 = 0.073; k = 73
+#               c + a_r + 4 * 30 ns + a_g + 8 * 73 ns  = c + a_r + a_g + 0.704 us
+#   tau = 1000: F = 1030 > 103, over the budget.
+# tau = 20 always beats tau = 10 (by c + 0.072 us). tau = 20 beats tau = 0 when
+#   c + a_r + 0.704 < 3c + 0.824  <=>  a_r < 2c + 0.12 us.
+SELECTIVE_BUFFER = specs(10, 20, 1000)
+
+
+@pytest.mark.parametrize(
+    ("compress_us", "allreduce_alpha_us", "tau", "sparse_density"),
+    [
+        # flip in the compression cost at a_r = 50 us: tau = 20 iff 50 < 2c + 0.12 <=> c > 24.94 us
+        (24.0, 50.0, 0, 0.1),  # 3 * 24 + 0.824 = 72.824  <  24 + 50 + 0.704 = 74.704
+        (26.0, 50.0, 20, 0.073),  # 3 * 26 + 0.824 = 78.824  >  26 + 50 + 0.704 = 76.704
+        # flip in the allreduce latency at c = 30 us: tau = 20 iff a_r < 60.12 us
+        (30.0, 60.0, 20, 0.073),  # 90.824 > 30 + 60 + 0.704 = 90.704
+        (30.0, 60.3, 0, 0.1),  # 90.824 < 30 + 60.3 + 0.704 = 91.004
+    ],
+)
+def test_selective_threshold_at_hand_computed_points(compress_us, allreduce_alpha_us, tau, sparse_density):
+    costs = profile(compress_fixed_us=compress_us, allreduce_alpha_us=allreduce_alpha_us, allgather_alpha_us=50)
+    chosen_tau, chosen_density = choose_threshold(SELECTIVE_BUFFER, 0.1, costs, build_sparsifier("topk", density=0.1))
+    assert chosen_tau == tau
+    # The sparse tensors' density as selective computes it today (volume-neutral: the buffer still
+    # sends about density * T elements). This line, not the tau above, changes with that rule.
+    assert chosen_density == pytest.approx(sparse_density)
+
+
+def test_selective_threshold_stops_at_the_dense_budget():
+    # density 0.01: budget 10.3 elements. tau = 20 (F = 30) is over it, so however expensive the
+    # compression (c = 1000 us) the best allowed candidate is tau = 10 (F = 10):
+    #   tau = 0:  3c + a_g + 8 * (1 + 1 + 10) ns           = 3000 + a_g + 0.096 us
+    #   tau = 10: 2c + a_r + 0.040 + a_g + 8 * (1 + 1) ns  = 2000 + 50 + a_g + 0.056 us   <- least
+    # sparse density (10.3 - 10) / 1020 = 0.3 / 1020
+    costs = profile(compress_fixed_us=1000, allreduce_alpha_us=50, allgather_alpha_us=50)
+    tau, density = choose_threshold(SELECTIVE_BUFFER, 0.01, costs, build_sparsifier("topk", density=0.01))
+    assert tau == 10
+    assert density == pytest.approx(0.3 / 1020)
+    # with density 0.03 (budget 30.9) tau = 20 is allowed and wins: c + a_r + 0.120 + a_g + 8 * 1 ns
+    tau, density = choose_threshold(SELECTIVE_BUFFER, 0.03, costs, build_sparsifier("topk", density=0.03))
+    assert tau == 20
+    assert density == pytest.approx(0.9 / 1000)
+
+
+def test_selective_plan_applies_the_threshold():
+    # The policy cuts one buffer (cap 1 MB) and plans it with choose_threshold's answer (c = 26 us,
+    # a_r = 50 us: tau = 20, as in the second case above): p0, p1 dense, p2 sparse with
+    # k = floor(0.073 * 1000) = 73.
+    costs = profile(compress_fixed_us=26, allreduce_alpha_us=50, allgather_alpha_us=50)
+    ctx = PlanContext(build_sparsifier("topk", density=0.1), 1 << 20, 1, 2, costs)
+    plan = FUSION_POLICIES.build("selective").plan(SELECTIVE_BUFFER, ctx)
+    assert plan.notes["thresholds"] == [20]
+    (buffer,) = plan.buffers
+    assert [(slot.name, slot.sparse) for slot in buffer.slots] == [("p0", False), ("p1", False), ("p2", True)]
+    assert buffer.sparse_slots[0].k == 73  # the density rule of today (see above)
+
+
+# --------------------------------------------------------------------------- adaptive: adaptive_boundaries
+# Tensors of 100 float32 (400 B) in backward order, topk density 0.1 (k = 10 each), no compression
+# cost, allgather b_g = 1 ns/B: a buffer of m tensors takes a_g + 8 * 10m ns = a_g + 0.08m us.
+# Walking the tensors, the clock advances by each tensor's backward time; the open buffer closes
+# once (clock >= the time the channel frees up) and (its bytes >= a_g / b_g, the latency bytes); the
+# channel then frees up at clock + its communication. The tail merges into the buffer before it
+# when ready[-1] + comm(merged) <= max(ready[-2] + comm(before), ready[-1]) + comm(last) and the
+# merged buffer fits the cap.
+def boundaries(backward_us, allgather_alpha_us, cap_bytes=1 << 30):
+    costs = profile(backward_us, allgather_alpha_us=allgather_alpha_us)
+    groups = adaptive_boundaries(specs(*[100] * len(backward_us)), costs, build_sparsifier("topk", density=0.1), cap_bytes)
+    return [[spec.name for _, spec in group] for group in groups]
+
+
+def test_adaptive_latency_bytes_decide_how_many_tensors_a_buffer_needs():
+    # a_g = 0.4 us: latency bytes 400, one tensor suffices. Backward 1 us each; one tensor's
+    # communication (0.48 us) ends before the next tensor is ready, so each closes alone at
+    # clocks 1, 2, 3, 4. Tail: separate = max(3 + 0.48, 4) + 0.48 = 4.48, merged 4 + 0.56 = 4.56: kept.
+    assert boundaries([1, 1, 1, 1], 0.4) == [["p0"], ["p1"], ["p2"], ["p3"]]
+    # a_g = 0.6 us: latency bytes 600, two tensors (800 B) needed: [p0 p1] at clock 2 (channel free
+    # at 2 + 0.76 = 2.76), [p2 p3] at clock 4 >= 2.76. Tail: separate = max(2.76, 4) + 0.76 = 4.76,
+    # merged 4 + 0.6 + 0.32 = 4.92: kept.
+    assert boundaries([1, 1, 1, 1], 0.6) == [["p0", "p1"], ["p2", "p3"]]
+
+
+@pytest.mark.parametrize(
+    ("p1_backward_us", "expected"),
+    [
+        # a_g = 0.4 us. [p0] closes at clock 1; the channel is busy until 1 + 0.48 = 1.48.
+        # p1 ready at 1.5 >= 1.48: closes alone; so do p2 (2.5) and p3 (3.5). Tail: separate =
+        # max(2.5 + 0.48, 3.5) + 0.48 = 3.98, merged 3.5 + 0.56 = 4.06: kept. The flip: p1 at 1.48.
+        (0.5, [["p0"], ["p1"], ["p2"], ["p3"]]),
+        # p1 ready at 1.4 < 1.48: stays open, [p1 p2] closes at 2.4 (channel free at 2.4 + 0.56 =
+        # 2.96), [p3] at 3.4. Tail: separate = max(2.96, 3.4) + 0.48 = 3.88, merged 3.4 + 0.64 = 4.04.
+        (0.4, [["p0"], ["p1", "p2"], ["p3"]]),
+    ],
+)
+def test_adaptive_waits_for_the_channel(p1_backward_us, expected):
+    assert boundaries([1, p1_backward_us, 1, 1], 0.4) == expected
+
+
+@pytest.mark.parametrize(
+    ("p2_backward_us", "cap_bytes", "expected"),
+    [
+        # a_g = 0.6 us (600 latency bytes). [p0 p1] closes at clock 2, channel free at 2.76. p2
+        # (400 B) stays open: the tail. Channel busy when p2 is ready (2 + x < 2.76), so merging
+        # pays off iff 2 + x + comm(3 tensors) <= 2.76 + comm(1 tensor) <=> x <= a_g = 0.6.
+        (0.5, 1 << 30, [["p0", "p1", "p2"]]),  # merged 2.5 + 0.84 = 3.34 <= separate 2.76 + 0.68 = 3.44
+        (0.7, 1 << 30, [["p0", "p1"], ["p2"]]),  # merged 2.7 + 0.84 = 3.54 > separate 3.44
+        (0.5, 1000, [["p0", "p1"], ["p2"]]),  # would merge, but 1200 B > the 1000 B cap
+    ],
+)
+def test_adaptive_merges_the_tail_when_it_does_not_finish_later(p2_backward_us, cap_bytes, expected):
+    assert boundaries([1, 1, p2_backward_us], 0.6, cap_bytes) == expected
+
+
+# --------------------------------------------------------------------------- partial: sparse_decisions
+# topk density 0.1; a_r = a_g = 10 us, b_r = b_g = 1 ns/B, compression 5 us per tensor. A tensor of n
+# elements: dense 10 + 0.004n us; sparse 5 (compress) + 10 + 0.0008n us (k = n/10). It goes sparse
+# when its compression fits the channel's idle time (channel_free - clock) or sparse < dense:
+# 15 + 0.0008n < 10 + 0.004n <=> n > 1562.5. The channel then frees up at
+# max(channel_free, clock + compress) + the transfer (sparse) or max(channel_free, clock) + dense.
+def decisions(sizes, backward_us, sparsifier="topk"):
+    costs = profile(backward_us, compress_fixed_us=5, allreduce_alpha_us=10, allgather_alpha_us=10)
+    return sparse_decisions(specs(*sizes), costs, build_sparsifier(sparsifier, density=0.1))
+
+
+def test_partial_compares_sparse_and_dense_cost():
+    assert decisions([1000], [1]) == {"p0": False}  # sparse 15.8 us >= dense 14 us (idle 0 < 5)
+    assert decisions([2000], [1]) == {"p0": True}  # sparse 16.6 us < dense 18 us
+
+
+@pytest.mark.parametrize(
+    ("p1_backward_us", "p1_sparse"),
+    [
+        # p0 (10000): sparse 23 us < dense 50 us -> sparse; the channel frees up at
+        # max(0, 1 + 5) + (10 + 8) = 24. p1 (1000, dense on cost alone) ready at 1 + x: idle 23 - x.
+        # the flip: idle 23 - x >= 5 <=> x <= 18
+        (17.5, True),  # idle 5.5 >= compression 5: hidden, sparse
+        (18.5, False),  # idle 4.5 < 5 and 15.8 >= 14: dense
+    ],
+)
+def test_partial_hides_compression_in_the_channels_idle_time(p1_backward_us, p1_sparse):
+    assert decisions([10000, 1000], [1, p1_backward_us]) == {"p0": True, "p1": p1_sparse}
+
+
+def test_partial_counts_a_dense_transfer_as_busy_channel():
+    # p0 (1000) dense at clock 1: channel free at 1 + 14 = 15. p1 (1000) at clock 2: idle 13 >= 5,
+    # so it goes sparse although it would go dense on cost alone; p2 (1000) at clock 3: the channel
+    # is free at max(15, 2 + 5) + 10.8 = 25.8, idle 22.8 >= 5: sparse too.
+    assert decisions([1000, 1000, 1000], [1, 1, 1]) == {"p0": False, "p1": True, "p2": True}
+    # A dense sparsifier: never sparse, whatever the costs.
+    assert decisions([10000, 1000], [1, 1], sparsifier="none") == {"p0": False, "p1": False}
