@@ -217,8 +217,11 @@ def build_strategy(cfg: DictConfig | Mapping[str, Any], multirun: bool = False) 
                 raise ValueError(f"strategy.timeout must be a number of seconds > 0 or null, got {seconds!r}")
             kwargs["timeout"] = timedelta(seconds=seconds)
     density = kwargs.get("density", 0.01)
+    sparsifier = build_sparsifier_spec(cfg["sparsifier"], density)
+    if not isinstance(sparsifier, str):  # an instance carries the density (the strategy refuses both)
+        kwargs.pop("density", None)
     return SSFusionStrategy(
-        sparsifier=build_sparsifier_spec(cfg["sparsifier"], density),
+        sparsifier=sparsifier,
         **_component_kwargs(cfg["fusion"], "fusion"),
         **_component_kwargs(cfg["comm"], "comm"),
         start_method=start_method,
