@@ -28,10 +28,10 @@ from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet, Communicator, Pen
 from ssfusion_lightning.comm.channels import Completed
 from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
 from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link
+from ssfusion_lightning.engine import state as engine_state
 from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
-from ssfusion_lightning.engine import state as engine_state
 from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, Slot
 from ssfusion_lightning.fusion import CompressContext, Encoded, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
