@@ -417,7 +417,7 @@ def run_oktopk_residual(numel, k, seed):
     finally:
         channels.shutdown()
     memory = ResidualMemory()
-    FusionEngine._update_memory(SimpleNamespace(memory=memory), encoded, reduced)
+    FusionEngine._update_memory(SimpleNamespace(memory=memory, _loss_scale=None), encoded, reduced)
     return compensated, sent, reduced.applied, reduced.sparse, memory.residual("w").clone(), comm.state_dict()
 
 

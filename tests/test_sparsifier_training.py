@@ -51,10 +51,12 @@ def _model(memory: str) -> Regressor:
 
 
 def _strategy(name: str, memory: str, options: dict) -> ssf.SSFusionStrategy:
+    # an instance carries its density; a name takes the strategy's
+    by_name = {} if options else {"density": 0.05}
     sparsifier = ssf.build_sparsifier(name, density=0.05, **options) if options else name
     return ssf.SSFusionStrategy(
         sparsifier=sparsifier,
-        density=0.05,
+        **by_name,
         memory=memory,
         fusion="ahead",
         comm="allgather",
