@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -44,8 +43,7 @@ FAST = [
     "callbacks=none",
     "logger=csv",
 ]
-# A registered stand-in for a component someone has not registered yet.
-STAND_INS = {"sparsifier": "topk", "fusion": "ahead", "comm": "allgather"}
+COMPONENT_GROUPS = ("sparsifier", "fusion", "comm")
 
 
 def _available(group: str) -> list[str]:
@@ -56,15 +54,12 @@ def _available(group: str) -> list[str]:
     }[group]()
 
 
-def _stand_ins(overrides: list[str]) -> list[str]:
-    """Overrides replacing the config's strategy components that are not registered (yet) by stand-ins."""
-    cfg = compose_config([*overrides, "paths.output_dir=unused"])
-    extra = []
-    for group, stand_in in STAND_INS.items():
-        if cfg[group].name not in _available(group):
-            warnings.warn(f"{group} {cfg[group].name!r} is not registered: using {stand_in!r} instead", stacklevel=2)
-            extra.append(f"{group}={stand_in}")
-    return extra
+@pytest.mark.parametrize("name", [None, *PAPER, *TINY], ids=lambda name: name or "default")
+def test_every_experiment_names_registered_components(name):
+    """A component an experiment names must be registered: nothing stands in for a missing one."""
+    cfg = compose_config([*([f"experiment={name}"] if name else []), "paths.output_dir=unused"])
+    for group in COMPONENT_GROUPS:
+        assert cfg[group].name in _available(group), f"{name or 'default'}: {group} {cfg[group].name!r} is not registered"
 
 
 def test_every_seed_workload_has_a_paper_size_preset_and_a_tiny_twin():
@@ -92,7 +87,7 @@ def _run_in_rank(config: dict) -> dict:
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_twin_trains_on_two_ranks(name, pool2, tmp_path):
     overrides = [f"experiment={name}", f"paths.output_dir={tmp_path}", *FAST]
-    cfg = compose_config(overrides + _stand_ins(overrides))
+    cfg = compose_config(overrides)
     assert cfg.model.size == "tiny" and cfg.trainer.devices == 2
     results = pool2.run(_run_in_rank, OmegaConf.to_container(cfg, resolve=True), timeout=240)
 
@@ -142,7 +137,6 @@ def test_command_line_single_job_on_two_ranks(tmp_path):
         sys.executable,
         "-m",
         "ssfusion_lightning.cli",
-        *_stand_ins([]),
         f"hydra.run.dir={run_dir}",
         *[o for o in FAST if o != "logger=csv"],
         "logger=many",

@@ -151,13 +151,21 @@ def slot_counts(records):
 
 def test_no_tensor_is_missing_except_behind(pool2):
     results = pool2.run(policies_against_reference, ["ahead", "aligned", "selective", "behind"], ["allgather"])
+    missing_in_behind = 0
     for rank_result in results:
         for fusion in ("ahead", "aligned", "selective"):
-            counts = slot_counts(rank_result[(fusion, "allgather")][0])
+            records = rank_result[(fusion, "allgather")][0]
+            counts = slot_counts(records)
+            # selection per tensor: every tensor sends its own planned k (topk's count is exact)
+            assert counts == {slot.name: slot.k for buffer, *_ in records for slot in buffer.slots}, fusion
             assert min(counts.values()) >= 1, (fusion, counts)
-        # behind spends the same budget, the sum of the tensors' k, over the whole buffer
-        for buffer, _, values, _ in rank_result[("behind", "allgather")][0]:
+        records = rank_result[("behind", "allgather")][0]
+        # behind spends the same budget, the sum of the tensors' k, in one selection over the whole buffer
+        for buffer, _, values, _ in records:
             assert values.numel() == sum(slot.k for slot in buffer.slots), buffer.index
+        missing_in_behind += sum(count == 0 for count in slot_counts(records).values())
+    # ...however it falls on the tensors: with these gradients some small ones lose every element
+    assert missing_in_behind > 0
 
 
 class SmallBesideLarge(nn.Module):

@@ -86,25 +86,44 @@ def test_strategy_pickles_before_setup():
 
 
 # ---------------------------------------------------------------- gradients in sync (Lightning's DDP test)
-class GradSumModel(BoringModel):
+class GradRecordingModel(BoringModel):
+    """Keeps, at every step, each parameter's local gradient (on_after_backward runs before the
+    strategy's post_backward, so before the engine synchronizes) and the gradient the optimizer sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local: list[dict[str, torch.Tensor]] = []
+        self.synced: list[dict[str, torch.Tensor]] = []
+
+    def on_after_backward(self):
+        self.local.append({n: p.grad.detach().clone() for n, p in self.named_parameters()})
+
     def on_before_optimizer_step(self, optimizer):
-        total = sum(p.grad.sum() for p in self.parameters() if p.grad is not None)
-        self.log("grad_sum_min", total, sync_dist=True, reduce_fx="min")
-        self.log("grad_sum_max", total, sync_dist=True, reduce_fx="max")
+        self.synced.append({n: p.grad.detach().clone() for n, p in self.named_parameters()})
 
 
 def grads_in_sync_run(kwargs):
     L.seed_everything(1, verbose=False)
-    trainer = make_trainer(ssf.SSFusionStrategy(**kwargs), 4)
-    trainer.fit(GradSumModel())
-    metrics = trainer.callback_metrics
-    return float(metrics["grad_sum_min"]), float(metrics["grad_sum_max"])
+    model = GradRecordingModel()
+    make_trainer(ssf.SSFusionStrategy(**kwargs), 4).fit(model)
+    return model.local, model.synced, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("kwargs", [dict(SPARSE, sparsifier="none"), SPARSE], ids=["dense", "topk"])
 def test_gradients_are_in_sync(pool2, kwargs):
-    for low, high in pool2.run(grads_in_sync_run, kwargs):
-        assert low == high
+    (local0, synced0, params0), (local1, synced1, params1) = pool2.run(grads_in_sync_run, kwargs)
+    assert len(synced0) == len(synced1) == 4
+    for step in range(4):
+        assert synced0[step].keys() == synced1[step].keys() == {"layer.weight", "layer.bias"}
+        for name in synced0[step]:
+            # the ranks' own gradients differ (different batches), what the optimizer sees does not
+            assert not torch.equal(local0[step][name], local1[step][name]), f"step {step}: {name} was equal before sync"
+            assert torch.equal(synced0[step][name], synced1[step][name]), f"step {step}: {name} differs across ranks"
+            if kwargs["sparsifier"] == "none":  # dense: DDP's mean of the ranks' gradients
+                mean = (local0[step][name] + local1[step][name]) / 2
+                torch.testing.assert_close(synced0[step][name], mean, rtol=1e-6, atol=1e-7)
+    for name in params0:
+        assert torch.equal(params0[name], params1[name]), f"{name} differs across ranks after training"
 
 
 # ---------------------------------------------------------------- BoringModel: fit / validate / test / predict
