@@ -19,7 +19,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
@@ -375,3 +375,7 @@ class SSFusionStrategy(DDPStrategy):
         state["_groups"] = []
         state["_final_engine_state"] = None
         return state
+
+
+# `import ssfusion_lightning` imports this module once Lightning is loaded, so that import registers the names.
+SSFusionStrategy.register_strategies(StrategyRegistry)
