@@ -36,7 +36,15 @@ _EXPORTS = {
 #: importing it registers the strategy names (the last lines of ssfusion_lightning/strategy.py)
 _REGISTERING_MODULE = "ssfusion_lightning.strategy"
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "SSFusionStrategy",
+    "available_communicators",
+    "available_fusion_policies",
+    "available_sparsifiers",
+    "build_memory",
+    "build_sparsifier",
+    "sparse_allreduce",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,8 +21,8 @@ every rank ends with bitwise-identical outputs.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
