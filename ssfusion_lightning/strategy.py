@@ -16,15 +16,15 @@ from typing import Any, Generator, Literal, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
@@ -472,3 +472,7 @@ class SSFusionStrategy(DDPStrategy):
         state["_groups"] = []
         state["_final_engine_state"] = None
         return state
+
+
+# `import ssfusion_lightning` imports this module once Lightning is loaded, so that import registers the names.
+SSFusionStrategy.register_strategies(StrategyRegistry)

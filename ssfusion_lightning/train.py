@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import logging
 import traceback
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, TypeVar
 
 import lightning as L
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 import ssfusion_lightning  # noqa: F401 - registers the strategy names with Lightning
+from ssfusion_lightning.app import RESULTS_FILE
 from ssfusion_lightning.app.builders import (
     build_callbacks,
     build_datamodule,
@@ -26,20 +29,19 @@ from ssfusion_lightning.app.builders import (
     build_task,
     plain,
 )
-from ssfusion_lightning.app.callbacks import (
-    RESULTS_FILE,
-    CommunicationStats,
-    ResultsWriter,
-    SamplesPerSecond,
-    write_json,
-)
+from ssfusion_lightning.app.callbacks import CommunicationStats, ResultsWriter, SamplesPerSecond, write_json
+from ssfusion_lightning.app.validation import ConfigError, check_loggers, check_trainer
 
 log = logging.getLogger(__name__)
 
 
-def build_trainer(config: Mapping[str, Any], job: Mapping[str, Any] | None = None, multirun: bool = False) -> L.Trainer:
+def build_trainer(
+    config: Mapping[str, Any], strategy: Any, job: Mapping[str, Any] | None = None
+) -> L.Trainer:
     """The Trainer of a resolved config, with the application's callbacks (throughput, communication, results)."""
     output_dir = Path(config["paths"]["output_dir"])
+    check_trainer(config["trainer"])
+    check_loggers(config.get("logger"))
     loggers = build_loggers(config.get("logger"))
     callbacks = build_callbacks(config.get("callbacks"), has_logger=bool(loggers))
     callbacks += [
@@ -51,10 +53,28 @@ def build_trainer(config: Mapping[str, Any], job: Mapping[str, Any] | None = Non
     trainer_kwargs.setdefault("default_root_dir", str(output_dir))
     return L.Trainer(
         **trainer_kwargs,
-        strategy=build_strategy(config, multirun=multirun),
+        strategy=strategy,
         logger=loggers or False,
         callbacks=callbacks,
     )
+
+
+#: what building a job's objects raises for a config they cannot be built from
+BUILD_ERRORS = (ValueError, TypeError, FileNotFoundError, MisconfigurationException)
+T = TypeVar("T")
+
+
+def _built(part: str, build: Callable[[], T]) -> T:
+    """``build()``; a config it cannot build from is a ConfigError naming ``part`` of the config.
+
+    Every part is built before any rank is launched, so a bad value stops the job with one message.
+    """
+    try:
+        return build()
+    except ConfigError:
+        raise
+    except BUILD_ERRORS as error:
+        raise ConfigError(f"{part}: {error}") from error
 
 
 def run(
@@ -73,9 +93,10 @@ def run(
     try:
         if config.get("seed") is not None:
             L.seed_everything(config["seed"], workers=True, verbose=False)
-        datamodule = build_datamodule(config["data"])
-        task = build_task(config["model"], datamodule)
-        trainer = build_trainer(config, job, multirun)
+        datamodule = _built("data", lambda: build_datamodule(config["data"]))
+        task = _built("model", lambda: build_task(config["model"], datamodule))
+        strategy = _built("strategy", lambda: build_strategy(config, multirun=multirun))
+        trainer = _built("trainer", lambda: build_trainer(config, strategy, job))
         trainer.fit(task, datamodule=datamodule, ckpt_path=config.get("ckpt_path"))
         if config.get("test_after_fit"):
             trainer.test(task, datamodule=datamodule)

@@ -7,6 +7,7 @@ script calls) in a temporary directory; the config-level tests compose in this p
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import os
 import re
@@ -15,12 +16,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import ssfusion_lightning as ssf
+from ssfusion_lightning.app import validation
 from ssfusion_lightning.app.builders import build_strategy, resolve_start_method
 from ssfusion_lightning.app.config import compose_config, config_dir
 from ssfusion_lightning.app.sweep import write_summary
+from ssfusion_lightning.app.validation import ConfigError, check_config
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,10 +48,28 @@ ABLATIONS = {
 }
 
 
-def cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "ssfusion_lightning.cli", *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+# Runs the command line like `python -m ssfusion_lightning.cli`, and at exit writes which of torch
+# and Lightning it had imported into the file named by its first argument.
+TRACED_CLI = """
+import atexit, runpy, sys
+report = sys.argv.pop(1)
+loaded = lambda: " ".join(name for name in ("torch", "lightning") if name in sys.modules)
+atexit.register(lambda: open(report, "w").write(loaded()))
+runpy.run_module("ssfusion_lightning.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def cli(
+    *args: str, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None, trace: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m ssfusion_lightning.cli *args``; with ``trace``, that file gets the heavy modules it imported."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        **(env or {}),
+    }
+    command = [sys.executable, "-c", TRACED_CLI, str(trace)] if trace else [sys.executable, "-m", "ssfusion_lightning.cli"]
+    return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def compose(*overrides: str):
@@ -55,9 +77,11 @@ def compose(*overrides: str):
 
 
 # ---------------------------------------------------------------- the command line
-def test_help_lists_every_group_and_its_options(tmp_path):
-    done = cli("--help", cwd=tmp_path)
+def test_help_lists_every_group_and_its_options(tmp_path, tmp_path_factory):
+    trace = tmp_path_factory.mktemp("trace") / "imported"
+    done = cli("--help", cwd=tmp_path, trace=trace)
     assert done.returncode == 0, done.stderr
+    assert trace.read_text() == ""  # answered before torch or Lightning loads
     lines = {line.split(":")[0]: line for line in done.stdout.splitlines() if ": " in line}
     for group in GROUPS:
         assert group in lines, f"--help does not list the {group} group"
@@ -74,12 +98,65 @@ def test_help_lists_every_group_and_its_options(tmp_path):
 
 def test_misspelled_group_option_fails_listing_the_valid_choices(tmp_path):
     done = cli("sparsifier=topkk", cwd=tmp_path)
-    assert done.returncode != 0
-    assert "Could not find 'sparsifier/topkk'" in done.stderr
-    assert "Available options in 'sparsifier'" in done.stderr
-    for name in ("topk", "dgc", "none"):
-        assert f"\t{name}\n" in done.stderr
+    assert done.returncode == 2
+    assert done.stderr == (
+        "ssfusion-train: error: invalid value sparsifier=topkk; valid: one of "
+        f"{', '.join(sorted(ssf.available_sparsifiers()))}\n"
+    )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["strategy.density=0"], "invalid value strategy.density=0; valid: a number with 0 < density <= 1"),
+        (["strategy.buffer_mb=-1"], "invalid value strategy.buffer_mb=-1; valid: a number of MiB > 0"),
+        (["strategy.offload=bogus"], "invalid value strategy.offload=bogus; valid: one of none, thread, stream, auto"),
+        (["trainer.devices=0"], "invalid value trainer.devices=0; valid: a number of processes >= 1, or auto"),
+        (
+            ["strategy.densty=0.1"],
+            "unknown key strategy.densty; valid keys of strategy: name, kind, density, memory, buffer_mb, "
+            "first_buffer_mb, process_groups, offload, warmup_steps, start_method, find_unused_parameters, "
+            "broadcast_buffers, nonfinite, timeout, memory_options; a new key is added with a leading +: "
+            "+strategy.densty=0.1",
+        ),
+    ],
+)
+def test_a_bad_value_gets_one_message_before_torch_loads(tmp_path, overrides, message):
+    """Exit status 2 and one line naming the key, the value and what is valid: no traceback, no
+    Hydra "Error executing job" line; answered before torch or Lightning is imported (the time it
+    takes: experiments/bench_cli_latency.py)."""
+    trace = tmp_path / "imported"
+    done = cli(*overrides, cwd=tmp_path, trace=trace)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"ssfusion-train: error: {message}\n"
+    assert trace.read_text() == ""
+
+
+def test_hydra_full_error_shows_the_traceback(tmp_path):
+    done = cli("strategy.density=0", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert done.returncode != 0
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "ConfigError: invalid value strategy.density=0" in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_trainer_on_a_cpu_only_machine_is_refused_before_launch(tmp_path):
+    done = cli("trainer=gpu", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.startswith("ssfusion-train: error: invalid value trainer.accelerator=gpu; valid: cpu on this")
+    assert "torch.cuda.is_available() is False" in done.stderr and "trainer=ddp_cpu" in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_a_missing_dataset_is_one_message_naming_the_expected_files(tmp_path):
+    """Lightning loads for this one (the dataset is looked for when the job is built); still one message."""
+    missing = tmp_path / "nonexistent"
+    done = cli("data=cifar10", f"paths.data_dir={missing}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=600)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"ssfusion-train: error: data: CIFAR-10 not found: expected {missing}/cifar-10-batches-py/")
+    assert done.stderr.count("\n") == 1
+    assert f"data.root={missing}" not in done.stderr and f"paths.data_dir={missing}" not in done.stderr
 
 
 def test_multirun_sweep_on_two_ranks_per_job(tmp_path):
@@ -216,15 +293,77 @@ def test_first_buffer_cap_reaches_the_strategy_and_null_means_buffer_mb():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("+strategy.nonfinte=skip", "unknown strategy option(s) nonfinte; valid choices: name, kind, start_method, density"),
-        ("strategy.timeout=0", "strategy.timeout must be a number of seconds > 0 or null, got 0"),
-        ("strategy.nonfinite=ignore", "unknown nonfinite policy 'ignore'; valid choices: raise, skip"),
-        ("strategy.first_buffer_mb=-1", "first_buffer_mb must be a positive number or None (= buffer_mb), got -1"),
+        (
+            "+strategy.nonfinte=skip",
+            "unknown key strategy.nonfinte; valid keys of strategy: name, kind, start_method, density, memory, "
+            "buffer_mb, first_buffer_mb, process_groups, offload, warmup_steps, find_unused_parameters, "
+            "broadcast_buffers, nonfinite, timeout, memory_options",
+        ),
+        ("strategy.timeout=0", "invalid value strategy.timeout=0; valid: a number of seconds > 0, or null"),
+        ("strategy.nonfinite=ignore", "invalid value strategy.nonfinite=ignore; valid: one of raise, skip"),
+        ("strategy.first_buffer_mb=-1", "invalid value strategy.first_buffer_mb=-1; valid: a number of MiB > 0, or null"),
+        ("strategy.buffer_mb=nan", "invalid value strategy.buffer_mb=nan; valid: a number of MiB > 0"),
+        ("strategy.density=1.5", "invalid value strategy.density=1.5; valid: a number with 0 < density <= 1"),
+        ("strategy.process_groups=0", "invalid value strategy.process_groups=0; valid: an integer >= 1"),
+        ("strategy.warmup_steps=-1", "invalid value strategy.warmup_steps=-1; valid: an integer >= 0"),
+        ("strategy.memory=ef", "invalid value strategy.memory=ef; valid: one of dgc, none, residual"),
+        ("strategy.start_method=threads", "invalid value strategy.start_method=threads; valid: one of auto, popen"),
+        ("strategy.broadcast_buffers=maybe", "invalid value strategy.broadcast_buffers=maybe; valid: true or false"),
     ],
 )
 def test_bad_strategy_options_are_named(override, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        build_strategy(compose("strategy=ssfusion", override))
+    cfg = compose("strategy=ssfusion", override)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_config(cfg)
+    with pytest.raises(ConfigError, match=re.escape(message)):  # a config composed in Python: the same message
+        build_strategy(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer=cpu", "trainer.devices=-1"], "invalid value trainer.devices=-1; valid: a number of processes >= 1"),
+        (["trainer.devices=[0,1]"], "invalid value trainer.devices=[0,1]; valid: a number of processes >= 1, or auto"),
+        (["trainer.num_nodes=0"], "invalid value trainer.num_nodes=0; valid: an integer >= 1"),
+    ],
+)
+def test_bad_trainer_values_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_config(compose(*overrides))
+
+
+def test_lightning_misconfigurations_are_config_errors_before_launch(tmp_path):
+    """What the light checks let through, Lightning refuses when the Trainer is built: still a
+    ConfigError naming the part, raised before any rank is launched."""
+    from ssfusion_lightning.train import run
+
+    cfg = compose_config(["trainer=cpu", "trainer.precision=bogus", "logger=none", f"paths.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^trainer: .*Precision 'bogus' is invalid"):
+        run(cfg)
+    assert json.loads((tmp_path / "results.json").read_text())["status"] == "failed"
+
+
+def test_the_light_checks_know_the_same_choices_as_the_strategy():
+    """app.validation repeats a few choices so that checking them loads no torch; they must not drift."""
+    from ssfusion_lightning.engine.engine import NONFINITE_POLICIES
+    from ssfusion_lightning.sparsifiers import MEMORIES
+    from ssfusion_lightning.strategy import OFFLOAD_CHOICES
+
+    assert validation.OFFLOAD_CHOICES == OFFLOAD_CHOICES
+    assert validation.NONFINITE_CHOICES == tuple(NONFINITE_POLICIES)
+    assert list(validation.MEMORY_CHOICES) == MEMORIES.names()
+    assert set(validation.SSFUSION_OPTIONS) <= set(inspect.signature(ssf.SSFusionStrategy).parameters)
+
+
+@pytest.mark.parametrize("group", ["sparsifier", "fusion", "comm"])
+def test_every_registered_component_has_its_yaml(group):
+    """The command line lists a group's options from its yaml files (without importing torch)."""
+    listing = {
+        "sparsifier": ssf.available_sparsifiers,
+        "fusion": ssf.available_fusion_policies,
+        "comm": ssf.available_communicators,
+    }
+    assert sorted(p.stem for p in (config_dir() / group).glob("*.yaml")) == sorted(listing[group]())
 
 
 def test_dense_baseline_is_lightnings_ddp():
@@ -232,7 +371,7 @@ def test_dense_baseline_is_lightnings_ddp():
     assert build_strategy(cfg) == "ddp"
     assert build_strategy(cfg, multirun=True) == "ddp_spawn"
     assert resolve_start_method("auto", multirun=False) == "popen"
-    with pytest.raises(ValueError, match="valid choices: auto, popen, spawn"):
+    with pytest.raises(ConfigError, match="valid: one of auto, popen, spawn"):
         resolve_start_method("threads", multirun=False)
 
 

@@ -37,7 +37,6 @@ from ssfusion_lightning.data.mnist import read_idx
 from ssfusion_lightning.data.sequences import StreamChunks
 from ssfusion_lightning.data.transforms import CIFAR10_STATS, center_crop, random_resized_crop
 
-
 # --- writers for each real format ----------------------------------------------------------------
 
 

@@ -220,8 +220,11 @@ def checkpoint_run(directory: str, steps: int, checkpoint_every: int, kwargs: di
         L.seed_everything(5, verbose=False)
         model = Scheduled()
         end = EngineStateAtEnd()
+        # default_root_dir: the resumed run has no ModelCheckpoint of its own, so Lightning adds one
+        # that writes under default_root_dir (the working directory when unset)
         trainer = make_trainer(
-            ssf.SSFusionStrategy(**kwargs), steps, max_epochs=-1, callbacks=[end, *callbacks], enable_checkpointing=True
+            ssf.SSFusionStrategy(**kwargs), steps, max_epochs=-1, callbacks=[end, *callbacks], enable_checkpointing=True,
+            default_root_dir=directory,
         )
         trainer.fit(model, DataLoader(regression_data(), batch_size=16, shuffle=True), ckpt_path=ckpt_path)
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

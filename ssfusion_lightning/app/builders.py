@@ -4,42 +4,19 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch import Callback, LightningDataModule, LightningModule
-from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
+from ssfusion_lightning.app.validation import SSFUSION_OPTIONS, START_METHODS, check_choice, check_strategy, plain
+
+if TYPE_CHECKING:  # the command line imports this module before it may load Lightning
+    from lightning.pytorch import Callback, LightningDataModule, LightningModule
+    from lightning.pytorch.loggers import Logger
+
 log = logging.getLogger(__name__)
-
-STRATEGY_KINDS = ("ssfusion", "ddp")
-START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
-#: strategy-level options of SSFusionStrategy read from the ``strategy`` group
-SSFUSION_OPTIONS = (
-    "density",
-    "memory",
-    "buffer_mb",
-    "first_buffer_mb",
-    "process_groups",
-    "offload",
-    "warmup_steps",
-    "find_unused_parameters",
-    "broadcast_buffers",
-    "nonfinite",
-    "timeout",
-    "memory_options",
-)
-#: keys of the strategy group that are not SSFusionStrategy arguments
-STRATEGY_KEYS = ("name", "kind", "start_method")
-
-
-def plain(node: Any) -> Any:
-    """A DictConfig/ListConfig as plain Python containers (resolved); anything else unchanged."""
-    if OmegaConf.is_config(node):
-        return OmegaConf.to_container(node, resolve=True)
-    return node
-
 
 def _split_name(node: Any, group: str) -> tuple[str, dict[str, Any]]:
     options = dict(plain(node) or {})
@@ -137,8 +114,7 @@ def resolve_start_method(value: str, multirun: bool, single_process: bool = Fals
     that command line is the whole sweep, so every job's rank 1 would start a sweep of its own.
     Spawned ranks get the job's objects instead. A single process launches nothing: popen then.
     """
-    if value not in START_METHODS:
-        raise ValueError(f"unknown strategy.start_method {value!r}; valid choices: {', '.join(START_METHODS)}")
+    check_choice("strategy.start_method", value, START_METHODS)
     if value == "auto":
         return "spawn" if multirun and not single_process else "popen"
     if value == "popen" and multirun and not single_process:
@@ -190,6 +166,7 @@ def build_strategy(cfg: DictConfig | Mapping[str, Any], multirun: bool = False) 
     from ssfusion_lightning.strategy import SSFusionStrategy
 
     options = dict(plain(cfg["strategy"]))
+    check_strategy(options)
     kind = options.get("kind")
     start_method = resolve_start_method(
         options.get("start_method", "auto"), multirun, _single_process(plain(cfg.get("trainer")))
@@ -202,19 +179,10 @@ def build_strategy(cfg: DictConfig | Mapping[str, Any], multirun: bool = False) 
             return DDPStrategy(start_method="forkserver", find_unused_parameters=unused)
         name = "ddp" if start_method == "popen" else f"ddp_{start_method}"
         return f"{name}_find_unused_parameters_true" if unused else name
-    if kind != "ssfusion":
-        raise ValueError(f"unknown strategy.kind {kind!r}; valid choices: {', '.join(STRATEGY_KINDS)}")
-    unknown = sorted(set(options) - set(SSFUSION_OPTIONS) - set(STRATEGY_KEYS))
-    if unknown:
-        raise ValueError(
-            f"unknown strategy option(s) {', '.join(unknown)}; valid choices: {', '.join(STRATEGY_KEYS + SSFUSION_OPTIONS)}"
-        )
     kwargs = {key: options[key] for key in SSFUSION_OPTIONS if key in options}
     if "timeout" in kwargs:  # seconds in the config (null: torch's default), a timedelta for the strategy
         seconds = kwargs.pop("timeout")
         if seconds is not None:
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
-                raise ValueError(f"strategy.timeout must be a number of seconds > 0 or null, got {seconds!r}")
             kwargs["timeout"] = timedelta(seconds=seconds)
     density = kwargs.get("density", 0.01)
     sparsifier = build_sparsifier_spec(cfg["sparsifier"], density)

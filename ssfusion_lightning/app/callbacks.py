@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
-RESULTS_FILE = "results.json"
+from ssfusion_lightning.app import RESULTS_FILE
 
 
 def batch_size_of(batch: Any) -> int:

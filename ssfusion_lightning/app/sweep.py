@@ -16,7 +16,7 @@ from typing import Any
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig
 
-from ssfusion_lightning.app.callbacks import RESULTS_FILE
+from ssfusion_lightning.app import RESULTS_FILE
 
 log = logging.getLogger(__name__)
 

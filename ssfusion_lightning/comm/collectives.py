@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -9,8 +10,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ssfusion_lightning.comm.base import COMMUNICATORS, Communicator, PendingReduction
-from concurrent.futures import Future
-
 from ssfusion_lightning.comm.channels import Channel, ChannelSet
 from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes

@@ -155,8 +155,15 @@ def sparse_allreduce(
     """Exact dense SUM over the group's ranks of each rank's sparse (values, indices).
 
     ``values`` and ``indices`` are 1-D and of equal length (counts may differ across ranks);
-    ``indices`` are distinct flat positions in ``[0, numel)``, int32 or int64.
+    ``indices`` are distinct flat positions in ``[0, numel)``, int32 or int64. A collective: every
+    rank of ``group`` (default: the default process group) calls it.
     """
+    if not dist.is_initialized():
+        # torch's own error here ("Default process group has not been initialized") names no remedy.
+        raise RuntimeError(
+            "sparse_allreduce is a collective over the ranks of a process group, and there is none: "
+            "call torch.distributed.init_process_group(...) on every rank first"
+        )
     if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
         raise ValueError(
             f"values and indices must be 1-D of equal length, got shapes {tuple(values.shape)} and {tuple(indices.shape)}"

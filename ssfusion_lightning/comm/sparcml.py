@@ -21,7 +21,14 @@ from torch import Tensor
 
 from ssfusion_lightning.comm.base import COMMUNICATORS
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
-from ssfusion_lightning.comm.schemes import COUNT_BYTES, SPARSE_SCHEMES, accumulation_dtype, pack, unpack, wire_index_dtype
+from ssfusion_lightning.comm.schemes import (
+    COUNT_BYTES,
+    SPARSE_SCHEMES,
+    accumulation_dtype,
+    pack,
+    unpack,
+    wire_index_dtype,
+)
 from ssfusion_lightning.comm.traffic import Traffic
 
 

@@ -32,7 +32,14 @@ from ssfusion_lightning.comm import sparcml as _sparcml  # noqa: F401  (register
 from ssfusion_lightning.comm.base import COMMUNICATORS
 from ssfusion_lightning.comm.channels import Channel
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
-from ssfusion_lightning.comm.schemes import COUNT_BYTES, SPARSE_SCHEMES, accumulation_dtype, bytes_as, index_bytes, wire_index_dtype
+from ssfusion_lightning.comm.schemes import (
+    COUNT_BYTES,
+    SPARSE_SCHEMES,
+    accumulation_dtype,
+    bytes_as,
+    index_bytes,
+    wire_index_dtype,
+)
 from ssfusion_lightning.comm.traffic import Traffic
 from ssfusion_lightning.costmodel import Link, measure_link
 from ssfusion_lightning.engine.plan import Buffer

@@ -56,8 +56,8 @@ class _CIFAR(ImageDataModule):
         self.augment = augment
         names = self.train_files + self.test_files
         hint = (
-            f"Download the python version from https://www.cs.toronto.edu/~kriz/cifar.html, "
-            f"extract it into {root} and pass data.root={root}"
+            f"Download the python version from https://www.cs.toronto.edu/~kriz/cifar.html and extract it into "
+            f"{root}, or point paths.data_dir (or data.root) at the directory that already holds {self.folder}/"
         )
         paths = locate(root, self.title, names, subdirs=(self.folder, ""), hint=hint)
         self.train_paths = paths[: len(self.train_files)]

@@ -69,7 +69,7 @@ class ImageFolder(ImageDataModule):
             raise FileNotFoundError(
                 f"image folder not found: expected {base}/train/<class>/<image> and {base}/val/<class>/<image> "
                 f"(missing: {', '.join(missing) or base / 'train' / '<class>'}). "
-                f"Lay the dataset out this way and pass data.root={root}"
+                "Lay the dataset out this way, or point data.root at the directory that already holds train/ and val/"
             )
         super().__init__(len(classes), (3, image_size, image_size), batch_size, num_workers, pin_memory, drop_last)
         self.directories = directories

@@ -52,7 +52,10 @@ class MNIST(ImageDataModule):
         drop_last: bool = True,
     ) -> None:
         super().__init__(10, (1, 28, 28), batch_size, num_workers, pin_memory, drop_last)
-        hint = f"Put the four official idx files (gzipped or not) in {root} and pass data.root={root}"
+        hint = (
+            f"Put the four official idx files (gzipped or not) in {root}, or point paths.data_dir "
+            "(or data.root) at the directory that already holds them"
+        )
         self.paths = locate(root, "MNIST", _FILES, subdirs=("", "MNIST/raw"), suffixes=("", ".gz"), hint=hint)
 
     def build_dataset(self, split: Split) -> LabeledImages:

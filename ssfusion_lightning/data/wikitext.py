@@ -45,8 +45,8 @@ class _WikiText(TokenDataModule):
             raise ValueError(f"unknown tokenization level {level!r}; valid choices: {', '.join(TOKENIZERS)}")
         self.level = level
         hint = (
-            f"Download the raw release (the .tokens release works too) from the official site, "
-            f"unzip it into {root} and pass data.root={root}"
+            f"Download the raw release (the .tokens release works too) from the official site and unzip it into "
+            f"{root}, or point paths.data_dir (or data.root) at the directory that already holds {self.folders[0]}/"
         )
         paths = locate(root, self.title, list(_SPLIT_FILES.values()), self.folders, (".raw", ".tokens"), hint)
         self.paths = dict(zip(_SPLIT_FILES, paths))

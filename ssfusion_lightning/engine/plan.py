@@ -7,8 +7,8 @@ that all ranks agreed on, so every rank computes the same plan and issues the sa
 from __future__ import annotations
 
 import hashlib
-from functools import cached_property
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import torch

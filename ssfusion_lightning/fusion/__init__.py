@@ -5,7 +5,14 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ssfusion_lightning.fusion.base import FUSION_POLICIES, CompressContext, Encoded, FusionPolicy, PendingUpdate, PlanContext
+from ssfusion_lightning.fusion.base import (
+    FUSION_POLICIES,
+    CompressContext,
+    Encoded,
+    FusionPolicy,
+    PendingUpdate,
+    PlanContext,
+)
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-import time
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch

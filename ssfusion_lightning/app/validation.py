@@ -1,0 +1,212 @@
+"""Checks of a job's config that run before torch and Lightning load, so a bad value is answered at once.
+
+Every failure is a :class:`ConfigError` whose message names the key, the bad value and what is
+valid. ``ssfusion-train`` checks each job's config with :func:`check_config` before torch or
+Lightning load. The builders run the same checks, so a config composed in Python gets the same
+messages. Whatever these checks let through is still checked by the
+objects built from the config (SSFusionStrategy, Lightning's Trainer, the datamodule), and
+ssfusion_lightning.train reports their errors as config errors too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from omegaconf import OmegaConf
+
+STRATEGY_KINDS = ("ssfusion", "ddp")
+START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
+#: keys of the strategy group that are not SSFusionStrategy arguments
+STRATEGY_KEYS = ("name", "kind", "start_method")
+#: strategy-level options of SSFusionStrategy read from the ``strategy`` group
+SSFUSION_OPTIONS = (
+    "density",
+    "memory",
+    "buffer_mb",
+    "first_buffer_mb",
+    "process_groups",
+    "offload",
+    "warmup_steps",
+    "find_unused_parameters",
+    "broadcast_buffers",
+    "nonfinite",
+    "timeout",
+    "memory_options",
+)
+# The choices below are defined next to torch code (the memory registry, SSFusionStrategy's
+# OFFLOAD_CHOICES, the engine's NONFINITE_POLICIES); they are repeated here so that checking them
+# loads no torch, and tests/test_cli.py keeps the copies equal to the originals.
+MEMORY_CHOICES = ("dgc", "none", "residual")
+OFFLOAD_CHOICES = ("none", "thread", "stream", "auto")
+NONFINITE_CHOICES = ("raise", "skip")
+GPU_ACCELERATORS = ("gpu", "cuda")
+#: Lightning's loggers that need a package outside the project's dependencies
+OPTIONAL_LOGGER_PACKAGES = {"TensorBoardLogger": ("tensorboard", "tensorboardX")}
+
+
+class ConfigError(ValueError):
+    """A config value the job cannot run with; the message names the key, the value and what is valid."""
+
+
+def show(value: Any) -> str:
+    """A value as it is written on the command line."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(show(v) for v in value) + "]"
+    return str(value)
+
+
+def invalid(key: str, value: Any, valid: str) -> ConfigError:
+    return ConfigError(f"invalid value {key}={show(value)}; valid: {valid}")
+
+
+def check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise invalid(key, value, f"one of {', '.join(choices)}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rule(accepts: Callable[[Any], bool], valid: str) -> Callable[[str, Any], None]:
+    def check(key: str, value: Any) -> None:
+        if not accepts(value):
+            raise invalid(key, value, valid)
+
+    return check
+
+
+def _choice_rule(choices: Sequence[str]) -> Callable[[str, Any], None]:
+    return lambda key, value: check_choice(key, value, choices)
+
+
+_SSFUSION_RULES: dict[str, Callable[[str, Any], None]] = {
+    "name": _rule(lambda v: isinstance(v, str), "a string"),
+    "start_method": _choice_rule(START_METHODS),
+    "density": _rule(lambda v: _is_number(v) and 0 < v <= 1, "a number with 0 < density <= 1"),
+    "memory": _choice_rule(MEMORY_CHOICES),
+    "buffer_mb": _rule(lambda v: _is_number(v) and v > 0, "a number of MiB > 0"),
+    "first_buffer_mb": _rule(lambda v: v is None or (_is_number(v) and v > 0), "a number of MiB > 0, or null (= buffer_mb)"),
+    "process_groups": _rule(lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "offload": _choice_rule(OFFLOAD_CHOICES),
+    "warmup_steps": _rule(lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "find_unused_parameters": _rule(lambda v: isinstance(v, bool), "true or false"),
+    "broadcast_buffers": _rule(lambda v: isinstance(v, bool), "true or false"),
+    "nonfinite": _choice_rule(NONFINITE_CHOICES),
+    "timeout": _rule(lambda v: v is None or (_is_number(v) and v > 0), "a number of seconds > 0, or null (torch's default)"),
+    "memory_options": _rule(lambda v: isinstance(v, Mapping), "a mapping of the memory's constructor options"),
+}
+
+
+def plain(node: Any) -> Any:
+    """A DictConfig/ListConfig as plain Python containers (resolved); anything else unchanged."""
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def check_strategy(strategy: Mapping[str, Any]) -> None:
+    """The ``strategy`` group: its kind, and for ``ssfusion`` every key and value."""
+    options = dict(plain(strategy))
+    kind = options.get("kind")
+    check_choice("strategy.kind", kind, STRATEGY_KINDS)
+    if "start_method" in options:
+        check_choice("strategy.start_method", options["start_method"], START_METHODS)
+    if kind != "ssfusion":
+        return
+    valid_keys = STRATEGY_KEYS + SSFUSION_OPTIONS
+    for key, value in options.items():
+        if key == "kind":
+            continue
+        if key not in valid_keys:
+            raise ConfigError(f"unknown key strategy.{key}; valid keys of strategy: {', '.join(valid_keys)}")
+        _SSFUSION_RULES[key](f"strategy.{key}", value)
+
+
+def _parse_devices(devices: Any) -> int | list[int] | str | None:
+    """``trainer.devices`` as a count (-1: every device), a list of device indices or ``auto``; None if malformed."""
+    if devices == "auto" or _is_int(devices):
+        return devices
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text.lstrip("-").isdigit():
+            return int(text)
+        devices = text.split(",")  # "0,1": GPU indices
+        if not all(part.strip().isdigit() for part in devices):
+            return None
+        devices = [int(part) for part in devices]
+    if isinstance(devices, (list, tuple)) and devices and all(_is_int(d) and d >= 0 for d in devices):
+        return list(devices)
+    return None
+
+
+def _cuda_device_count() -> int:
+    # The one check that needs torch; it runs only for a GPU job.
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_trainer(trainer: Mapping[str, Any]) -> None:
+    """What Lightning would reject only after loading: the devices and the node count, and for a GPU
+    accelerator whether torch sees the GPUs here, before any rank is launched."""
+    options = dict(plain(trainer))
+    accelerator = options.get("accelerator", "auto")
+    gpu = accelerator in GPU_ACCELERATORS
+    devices = options.get("devices", "auto")
+    parsed = _parse_devices(devices)
+    if gpu and (parsed is None or (isinstance(parsed, int) and parsed < 1 and parsed != -1)):
+        raise invalid("trainer.devices", devices, "a number of GPUs >= 1, -1 (every GPU), auto, or a list of GPU indices")
+    # Lightning's CPU accelerator takes a process count only.
+    if not gpu and not (parsed == "auto" or (isinstance(parsed, int) and parsed >= 1)):
+        raise invalid("trainer.devices", devices, "a number of processes >= 1, or auto")
+    num_nodes = options.get("num_nodes", 1)
+    if not (_is_int(num_nodes) and num_nodes >= 1):
+        raise invalid("trainer.num_nodes", num_nodes, "an integer >= 1")
+    if not gpu:
+        return
+    available = _cuda_device_count()
+    if available == 0:
+        raise invalid(
+            "trainer.accelerator",
+            accelerator,
+            "cpu on this machine, where torch sees no CUDA GPU (torch.cuda.is_available() is False): "
+            "trainer=ddp_cpu or trainer=cpu",
+        )
+    needed = max(parsed) + 1 if isinstance(parsed, list) else parsed if isinstance(parsed, int) else 0
+    if needed > available:
+        raise invalid("trainer.devices", devices, f"at most {available} GPU(s) here (indices 0..{available - 1}), -1 or auto")
+
+
+def check_loggers(loggers: Any) -> None:
+    """Each configured logger whose package is optional must have it installed."""
+    # Unresolved: a logger's save_dir refers to the run directory, which does not exist yet.
+    if OmegaConf.is_config(loggers):
+        loggers = OmegaConf.to_container(loggers, resolve=False)
+    for key, node in (loggers or {}).items():
+        target = str((node or {}).get("_target_", ""))
+        packages = OPTIONAL_LOGGER_PACKAGES.get(target.rsplit(".", 1)[-1], ())
+        if packages and not any(importlib.util.find_spec(p) for p in packages):
+            raise ConfigError(
+                f"invalid value logger.{key} ({target}): it needs the {packages[0]} package, which is not installed "
+                f"(pip install {packages[0]}); valid without it: logger=csv or logger=none"
+            )
+
+
+def check_config(cfg: Mapping[str, Any]) -> None:
+    """Everything checkable before the job's objects are built (without torch, except for a GPU job)."""
+    check_strategy(cfg["strategy"])
+    check_trainer(cfg["trainer"])
+    check_loggers(cfg.get("logger"))
+
