@@ -50,7 +50,7 @@ def quiet_third_party() -> None:
 
     Every other warning and Lightning's own information (devices, model summary) stays.
     """
-    # Lightning 2.6 builds torch's deprecated LeafSpec on every rank (torch >= 2.10 warns).
+    # Lightning 2.6 builds a LeafSpec on every rank, which torch 2.13 deprecates: nothing a user can change.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_drop_tip)

@@ -191,7 +191,7 @@ def check_trainer(trainer: Mapping[str, Any]) -> None:
 
 def check_loggers(loggers: Any) -> None:
     """Each configured logger whose package is optional must have it installed."""
-    # Unresolved: a logger's save_dir refers to the run directory, which does not exist yet.
+    # Only _target_ is read: save_dir (${paths.output_dir}) need not resolve, which it only does inside a Hydra job.
     if OmegaConf.is_config(loggers):
         loggers = OmegaConf.to_container(loggers, resolve=False)
     for key, node in (loggers or {}).items():
