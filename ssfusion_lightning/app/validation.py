@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -152,7 +153,10 @@ def _parse_devices(devices: Any) -> int | list[int] | str | None:
 
 
 def _cuda_device_count() -> int:
-    # The one check that needs torch; it runs only for a GPU job.
+    # Without the NVIDIA driver's device node no CUDA device can exist: answer at once instead of
+    # loading torch (seconds) to say so. Where the driver is present, torch has the last word.
+    if not os.path.exists("/dev/nvidiactl"):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
