@@ -44,6 +44,8 @@ MEMORY_CHOICES = ("dgc", "none", "residual")
 OFFLOAD_CHOICES = ("none", "thread", "stream", "auto")
 NONFINITE_CHOICES = ("raise", "skip")
 GPU_ACCELERATORS = ("gpu", "cuda")
+#: device nodes of the drivers through which torch.cuda can see a GPU
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
 #: Lightning's loggers that need a package outside the project's dependencies
 OPTIONAL_LOGGER_PACKAGES = {"TensorBoardLogger": ("tensorboard", "tensorboardX")}
 
@@ -153,9 +155,9 @@ def _parse_devices(devices: Any) -> int | list[int] | str | None:
 
 
 def _cuda_device_count() -> int:
-    # Without the NVIDIA driver's device node no CUDA device can exist: answer at once instead of
-    # loading torch (seconds) to say so. Where the driver is present, torch has the last word.
-    if not os.path.exists("/dev/nvidiactl"):
+    # Without a GPU driver's device node (NVIDIA, WSL's GPU bridge, ROCm) torch can see no GPU:
+    # answer at once instead of loading torch (seconds) to say so. Where one exists, torch decides.
+    if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
         return 0
     import torch
 
