@@ -298,7 +298,10 @@ def old_format_run(directory: str):
     def train(callbacks=(), **fit):
         L.seed_everything(4, verbose=False)
         model = Regressor()
-        trainer = make_trainer(ssf.SSFusionStrategy(**SPARSE), 8, max_epochs=-1, callbacks=list(callbacks), enable_checkpointing=True)
+        # no checkpoint callback, no checkpointing: Lightning's default one would write into the cwd
+        trainer = make_trainer(
+            ssf.SSFusionStrategy(**SPARSE), 8, max_epochs=-1, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)
+        )
         trainer.fit(model, ResumableDataLoader(regression_data(), batch_size=16, shuffle=True), **fit)
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 

@@ -77,7 +77,11 @@ def train(kwargs: dict, callbacks=(), ckpt_path=None):
     L.seed_everything(9, verbose=False)
     model = Regressor()
     probe = Probe()
-    trainer = make_trainer(ssf.SSFusionStrategy(**kwargs), STEPS, max_epochs=-1, callbacks=[probe, *callbacks], enable_checkpointing=True)
+    # only the runs that save get a checkpoint callback: Lightning's default one writes into the cwd
+    saves = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
+    trainer = make_trainer(
+        ssf.SSFusionStrategy(**kwargs), STEPS, max_epochs=-1, callbacks=[probe, *callbacks], enable_checkpointing=saves
+    )
     trainer.fit(model, ResumableDataLoader(regression_data(), batch_size=16, shuffle=True), ckpt_path=ckpt_path)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), probe
 
