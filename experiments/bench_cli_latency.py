@@ -8,8 +8,8 @@ in a fresh process from an empty temporary directory. Reported per case: the exi
 median wall time, and the median CPU time (user + system of the process; it varies much less than
 the wall time on a machine others are using, so the load average is recorded too). For reference,
 the same for ``import torch`` and ``import lightning``: what the command line used to load before it
-checked anything. ``trainer=gpu`` on a machine without CUDA is the one bad value that needs torch
-(``torch.cuda.is_available()``), so it is reported but not held to the target.
+checked anything. ``trainer=gpu`` on a machine without a GPU driver is answered without torch (no
+driver device node); where a driver exists it asks ``torch.cuda.is_available()``.
 
 Writes experiments/results/cli_latency.md (or --out FILE) and prints it.
 """
@@ -39,7 +39,7 @@ CASES = [
     ("trainer.devices=0", ["trainer.devices=0"], True),
     ("strategy.densty=0.1 (misspelled key)", ["strategy.densty=0.1"], True),
     ("sparsifier=topkk (misspelled option)", ["sparsifier=topkk"], True),
-    ("trainer=gpu (no CUDA here: loads torch)", ["trainer=gpu"], False),
+    ("trainer=gpu (no GPU driver here)", ["trainer=gpu"], True),
 ]
 REFERENCES = [("import torch", "import torch"), ("import lightning", "import lightning")]
 
