@@ -59,23 +59,24 @@ class Buffer:
     slots: tuple[Slot, ...]
     channel: int
 
-    @property
+    # cached (the buffer is frozen): the engine reads these for every tensor of every step
+    @cached_property
     def numel(self) -> int:
         return sum(s.numel for s in self.slots)
 
-    @property
+    @cached_property
     def dense_slots(self) -> tuple[Slot, ...]:
         return tuple(s for s in self.slots if not s.sparse)
 
-    @property
+    @cached_property
     def sparse_slots(self) -> tuple[Slot, ...]:
         return tuple(s for s in self.slots if s.sparse)
 
-    @property
+    @cached_property
     def dense_numel(self) -> int:
         return sum(s.numel for s in self.dense_slots)
 
-    @property
+    @cached_property
     def sparse_numel(self) -> int:
         return sum(s.numel for s in self.sparse_slots)
 
