@@ -159,10 +159,10 @@ def test_dgc_momentum_is_applied_once_on_dense_and_sparse_slots():
     for g in grads:
         out = torch.empty(2)
         piece = policy.compress_slot(dense, g, out, ctx)
-        memory.settle_dense("d", piece.update.compensated)
+        memory.settle_dense("d", piece.update.grad)
         sent_dense.append(out.clone())
         piece = policy.compress_slot(sparse, g, None, ctx)
-        memory.update("s", piece.update.compensated, piece.update.sent)
+        memory.update("s", piece.update.grad, piece.update.sent)
         sent_sparse.append((piece.values.clone(), piece.indices.clone()))
     # dense: u1 = g1 = [1, 2]; u2 = 0.5 * [1, 2] + [3, 1] = [3.5, 2]
     assert torch.equal(sent_dense[0], torch.tensor([1.0, 2.0]))
@@ -181,12 +181,12 @@ def test_a_sparse_tensor_turned_dense_flushes_its_residual():
     ctx = CompressContext(build_sparsifier("topk", density=0.5), memory, 1.0)
     policy = FUSION_POLICIES.build("ahead")
     piece = policy.compress_slot(Slot("w", 0, (2,), 0, 2, True, 1), torch.tensor([1.0, 2.0]), None, ctx)
-    memory.update("w", piece.update.compensated, piece.update.sent)
+    memory.update("w", piece.update.grad, piece.update.sent)
     assert torch.equal(memory.residual("w"), torch.tensor([1.0, 0.0]))
     out = torch.empty(2)
     piece = policy.compress_slot(Slot("w", 0, (2,), 0, 2, False, 2), torch.tensor([0.5, 0.5]), out, ctx)
     assert torch.equal(out, torch.tensor([1.5, 0.5]))  # the residual went out with the dense send
-    memory.settle_dense("w", piece.update.compensated)
+    memory.settle_dense("w", piece.update.grad)
     assert memory.residual("w") is None
     piece = policy.compress_slot(Slot("w", 0, (2,), 0, 2, False, 2), torch.tensor([0.5, 0.5]), out, ctx)
     assert piece.update is None and torch.equal(out, torch.tensor([0.5, 0.5]))  # nothing more owed

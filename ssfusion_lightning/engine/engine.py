@@ -501,8 +501,8 @@ class FusionEngine:
             where = "all-reduced dense gradients" + (" or the summed sparse gradients" if coo_sums else "")
             return self._drop_round(f"in the {where} (this rank's own were {own})", globally_used)
         for buffer, reduced, encoded in results:
+            self._update_memory(encoded, reduced)  # from the round's gradients, before they are overwritten
             self._write_gradients(buffer, reduced, globally_used)
-            self._update_memory(encoded, reduced)
             self._count_traffic(buffer, reduced)
         self.sparsifier.advance()
         self.step += 1
@@ -620,11 +620,11 @@ class FusionEngine:
         for update in encoded.updates:
             sent = update.sent
             if sent is None:
-                self.memory.settle_dense(update.key, update.compensated, loss_scale=self._loss_scale)
+                self.memory.settle_dense(update.key, update.grad, loss_scale=self._loss_scale)
                 continue
             if reduced.applied is not None:
                 sent = sent[torch.isin(sent + update.offset, reduced.applied.to(sent.device))]
-            self.memory.update(update.key, update.compensated, sent, loss_scale=self._loss_scale)
+            self.memory.update(update.key, update.grad, sent, loss_scale=self._loss_scale)
 
     def _count_traffic(self, buffer: Buffer, reduced: Reduced) -> None:
         t = reduced.traffic

@@ -30,10 +30,12 @@ class PlanContext:
 
 @dataclass
 class PendingUpdate:
-    """An error-feedback update that waits for the communication result (Ok-Topk filters it)."""
+    """An error-feedback update that waits for the communication result (Ok-Topk filters it). It
+    holds the round's gradient, not the compensated tensor: the memory recomputes that in place
+    when the round commits, so no copy the size of the gradients outlives its selection."""
 
     key: str
-    compensated: Tensor
+    grad: Tensor
     sent: Tensor | None  # flat positions in the compensated tensor; None: a dense slot sent it whole
     offset: int  # where the tensor starts in the buffer's part (sparse or dense)
 
@@ -125,7 +127,7 @@ class FusionPolicy(ABC):
             # written through a view in the slot's shape: a gradient in another memory format
             # (channels_last) lands in logical order with no contiguous copy first
             torch.mul(source, ctx.scale, out=packed.view(slot.shape))
-            return Piece(update=None if compensated is None else PendingUpdate(slot.name, compensated, None, slot.offset))
+            return Piece(update=None if compensated is None else PendingUpdate(slot.name, grad, None, slot.offset))
         if grad is None:
             v, i = idle_selection(slot, ctx, self.aligned)
             return Piece(v * ctx.scale, i + slot.offset)
@@ -133,7 +135,7 @@ class FusionPolicy(ABC):
         v, i = ctx.select(compensated, slot.name, slot.k)
         if self.aligned:
             v, i = exact_count(v, i, compensated.reshape(-1), slot.k)
-        return Piece(v * ctx.scale, i + slot.offset, PendingUpdate(slot.name, compensated, i, slot.offset))
+        return Piece(v * ctx.scale, i + slot.offset, PendingUpdate(slot.name, grad, i, slot.offset))
 
     def pack(self, buffer: Buffer, pieces: Sequence[Piece], dense_out: Tensor | None, ctx: CompressContext) -> Encoded:
         """Fuse the buffer's pieces, in slot order, into one message."""

@@ -51,20 +51,25 @@ class BehindPolicy(FusionPolicy):
             return super().compress(buffer, grads, dense_out, ctx)
         # Error feedback stays per tensor, so re-planned buffers never lose a residual. A parameter
         # this rank's backward did not reach (None) joins the fused tensor as zeros, with no
-        # compensation and no update: whatever of it is selected sends zeros.
-        compensated = [
-            torch.zeros(slot.shape, dtype=ctx.dtype, device=ctx.device) if grad is None else ctx.compensate(slot.name, grad)
-            for slot, grad in zip(buffer.slots, grads)
-        ]
-        fused = torch.cat([c.reshape(-1) for c in compensated])
+        # compensation and no update: whatever of it is selected sends zeros. One compensated
+        # tensor at a time lives beside the fused one.
+        # where the gradients are (host memory when the offload worker staged them there)
+        device = next((grad.device for grad in grads if grad is not None), ctx.device)
+        fused = torch.empty(buffer.numel, dtype=ctx.dtype, device=device)
+        for slot, grad in zip(buffer.slots, grads):
+            part = fused[slot.offset : slot.offset + slot.numel]
+            if grad is None:
+                part.zero_()
+            else:
+                part.copy_(ctx.compensate(slot.name, grad).reshape(-1))
         k = sum(slot.k for slot in buffer.slots)
         values, indices = ctx.select(fused, f"buffer{buffer.index}", k)
         updates = []
-        for slot, tensor, grad in zip(buffer.slots, compensated, grads):
+        for slot, grad in zip(buffer.slots, grads):
             if grad is None:
                 continue
             mine = (indices >= slot.offset) & (indices < slot.offset + slot.numel)
-            updates.append(PendingUpdate(slot.name, tensor, indices[mine] - slot.offset, slot.offset))
+            updates.append(PendingUpdate(slot.name, grad, indices[mine] - slot.offset, slot.offset))
         return Encoded(
             dense=None,
             values=values * ctx.scale,

@@ -6,16 +6,24 @@ a GradScaler's scale changes between steps (down after an overflow, up after a r
 steps), and state kept in unscaled units owes the same gradient mass whatever the next scale is
 (exactly, for the scaler's power-of-two scales).
 
-Invariant of every memory: a NaN or Inf never enters its state. ``update`` checks the
-compensated tensor first (one cheap reduction); a non-finite one leaves the stored state of that
-key untouched and raises ``FloatingPointError`` naming the key -- what to do with the step (skip,
-stop, reset) is the strategy's policy. ``load_state_dict`` refuses non-finite state the same way.
+A memory owns no copy beyond its state. ``compensate`` returns a temporary to select from and
+leaves the state alone (a round may still be dropped); ``update`` commits the round by recomputing
+the same compensation in place into the state from the round's gradient (the same operations in
+the same order, so bit for bit what was selected from) and zeroing the sent positions. The engine
+holds the gradients until the round commits anyway, so nothing the size of the gradients is kept
+in between, and a dropped round leaves the state exactly as it was.
+
+Invariant of every memory: a NaN or Inf never enters its state. ``update`` checks the gradient
+first (one cheap reduction); a non-finite one leaves the stored state of that key untouched and
+raises ``FloatingPointError`` naming the key -- what to do with the step (skip, stop, reset) is
+the strategy's policy. A sum of finite values that overflows (fp16) cannot be undone in place: that
+key's state is dropped and the same error raised. ``load_state_dict`` refuses non-finite state too.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -28,17 +36,18 @@ class Memory(ABC):
     """Per-tensor error feedback, keyed by tensor name.
 
     ``compensate(key, grad)`` returns the tensor to select from (contiguous, never aliasing
-    ``grad``); ``update(key, compensated, sent_indices)`` records what was not applied.
-    ``sent_indices`` are the flat positions whose compensated value left this rank and was applied.
-    ``loss_scale`` (a 0-d tensor, or None) is the factor ``grad`` and ``compensated`` carry; pass
-    the same one to the ``update`` that follows a ``compensate``.
+    ``grad``), a temporary: the state is untouched. ``update(key, grad, sent_indices)`` commits
+    the round with the same ``grad``: the state becomes what ``compensate`` returned, with the
+    sent positions zeroed. ``sent_indices`` are the flat positions whose compensated value left
+    this rank and was applied. ``loss_scale`` (a 0-d tensor, or None) is the factor ``grad``
+    carries; pass the same one to the ``update`` that follows a ``compensate``.
     """
 
     @abstractmethod
     def compensate(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor: ...
 
     @abstractmethod
-    def update(self, key: str, compensated: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None: ...
+    def update(self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None: ...
 
     def compensate_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor | None:
         """The tensor a dense slot sends instead of ``grad``, or None when ``grad`` goes as it is.
@@ -48,8 +57,9 @@ class Memory(ABC):
         """
         return None
 
-    def settle_dense(self, key: str, compensated: Tensor, loss_scale: Tensor | None = None) -> None:
-        """After ``compensate_dense``'s tensor went out whole: nothing is owed for ``key`` any more."""
+    def settle_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> None:
+        """After ``compensate_dense``'s tensor of ``grad`` went out whole: nothing is owed for
+        ``key`` any more (what the memory keeps beyond the residual, e.g. momentum, moves on)."""
         return None
 
     def residual(self, key: str) -> Tensor | None:
@@ -93,11 +103,26 @@ def _scaled(state: Tensor, loss_scale: Tensor) -> Tensor:
     return torch.mul(state, _scale_on(loss_scale, state))
 
 
-def _store_unscaled(out: Tensor, compensated: Tensor, loss_scale: Tensor | None) -> None:
-    if loss_scale is None:
-        out.copy_(compensated)
-    else:
-        torch.mul(compensated, _scale_on(loss_scale, compensated).reciprocal(), out=out)
+def _unscale_(state: Tensor, loss_scale: Tensor | None) -> Tensor:
+    """Back to unscaled units in place (the same multiply by the reciprocal ``compensate``'s
+    results get when they are stored)."""
+    return state if loss_scale is None else state.mul_(_scale_on(loss_scale, state).reciprocal())
+
+
+def _add_scaled_(state: Tensor, addend: Tensor, loss_scale: Tensor | None) -> Tensor:
+    """``state`` <- ``state`` * scale + ``addend`` in place: ``compensate``'s sum, in its order."""
+    if loss_scale is not None:
+        state.mul_(_scale_on(loss_scale, state))
+    return state.add_(addend)
+
+
+def _checked_commit(key: str, tensors: Sequence[Tensor], states: Sequence[dict[str, Tensor]]) -> None:
+    """After an in-place commit: a sum that overflowed cannot be undone, so the key's state goes."""
+    for tensor in tensors:
+        if not all_finite(tensor):
+            for state in states:
+                state.pop(key, None)
+            check_finite(key, tensor)
 
 
 @MEMORIES.register("none")
@@ -107,7 +132,7 @@ class NoMemory(Memory):
     def compensate(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor:
         return grad.clone(memory_format=torch.contiguous_format)
 
-    def update(self, key: str, compensated: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None:
+    def update(self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None:
         return None
 
 
@@ -127,20 +152,22 @@ class ResidualMemory(Memory):
             return residual.view_as(grad) + grad
         return _scaled(residual.view_as(grad), loss_scale).add_(grad)
 
-    def update(self, key: str, compensated: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None:
-        check_finite(key, compensated)
+    def update(self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None:
+        check_finite(key, grad, "gradient")
         residual = self.residuals.get(key)
-        if residual is None or residual.shape != compensated.shape or residual.dtype != compensated.dtype:
-            residual = torch.empty_like(compensated, memory_format=torch.contiguous_format)
+        if residual is None or residual.numel() != grad.numel():
+            residual = grad.clone(memory_format=torch.contiguous_format)
             self.residuals[key] = residual
-        _store_unscaled(residual, compensated, loss_scale)
+        else:
+            _add_scaled_(residual.view_as(grad), grad, loss_scale)
+        _unscale_(residual, loss_scale)
+        _checked_commit(key, [residual], [self.residuals])
         _zero_at(residual, sent_indices)
 
     def compensate_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor | None:
         return self.compensate(key, grad, loss_scale) if key in self.residuals else None
 
-    def settle_dense(self, key: str, compensated: Tensor, loss_scale: Tensor | None = None) -> None:
-        check_finite(key, compensated)
+    def settle_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> None:
         self.residuals.pop(key, None)
 
     def residual(self, key: str) -> Tensor | None:
@@ -169,8 +196,9 @@ class DGCMemory(Memory):
     Per key: g <- clip(g) (scaled to L2 norm ``clip_norm`` when larger; None/0 disables);
     u <- momentum * u + g; v <- v + u; select from v; then u and v are zeroed at the sent
     positions (momentum factor masking). The sent values are the accumulated velocity, so use
-    the optimizer WITHOUT its own momentum. ``compensate`` computes the new u and v without
-    storing them; ``update`` stores both (refusing non-finite values, leaving the old state).
+    the optimizer WITHOUT its own momentum. ``compensate`` computes the new u and v as temporaries;
+    ``update`` recomputes both in place into the state (refusing a non-finite gradient, leaving
+    the old state).
     ``residual(key)`` is v: at every step, sent + v == the compensated tensor exactly.
 
     A dense slot (selective/partial plans, warm-up) gets the same optimizer semantics: it sends
@@ -188,63 +216,76 @@ class DGCMemory(Memory):
         self.clip_norm = float(clip_norm) if clip_norm else None
         self.momenta: dict[str, Tensor] = {}
         self.velocities: dict[str, Tensor] = {}
-        self._pending: dict[str, Tensor] = {}  # new momentum computed by compensate, stored by update
+        self._clip_factors: dict[str, float] = {}  # taken by compensate, reused by the update that commits
 
-    def _clip(self, grad: Tensor, loss_scale: Tensor | None) -> Tensor:
+    def _clip_factor(self, grad: Tensor, loss_scale: Tensor | None) -> float | None:
         if self.clip_norm is None:
-            return grad
+            return None
         norm = float(torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype)))
         limit = self.clip_norm if loss_scale is None else self.clip_norm * float(loss_scale)  # clip_norm is unscaled
-        if norm > limit:
-            return grad * (limit / norm)
-        return grad
+        return limit / norm if norm > limit else None
+
+    def _clipped(self, key: str, grad: Tensor, loss_scale: Tensor | None, commit: bool) -> Tensor:
+        """The round's clipped gradient; the factor ``compensate`` found is the one its commit uses."""
+        if commit and key in self._clip_factors:
+            factor = self._clip_factors.pop(key)
+        else:
+            factor = self._clip_factor(grad, loss_scale)
+            if not commit and factor is not None:
+                self._clip_factors[key] = factor
+        return grad if factor is None else grad * factor
+
+    def _fresh(self, key: str, grad: Tensor) -> bool:
+        momentum = self.momenta.get(key)
+        return momentum is None or momentum.shape != grad.shape or momentum.dtype != grad.dtype
 
     def compensate(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor:
-        grad = self._clip(grad, loss_scale)
-        momentum = self.momenta.get(key)
-        velocity = self.velocities.get(key)
-        if momentum is None or momentum.shape != grad.shape or momentum.dtype != grad.dtype:
-            momentum = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
-            velocity = None
+        self._clip_factors.pop(key, None)
+        grad = self._clipped(key, grad, loss_scale, commit=False)
+        fresh = self._fresh(key, grad)
+        momentum = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device) if fresh else self.momenta[key]
+        velocity = None if fresh else self.velocities.get(key)
         # the contiguous state comes first, so the results take its layout; no velocity: a dense
         # round flushed it (or this is the first round)
         if loss_scale is None:
             new_momentum = momentum * self.momentum + grad
-            compensated = new_momentum.clone() if velocity is None else velocity + new_momentum
-        else:
-            new_momentum = _scaled(momentum, loss_scale).mul_(self.momentum).add_(grad)
-            compensated = new_momentum.clone() if velocity is None else _scaled(velocity, loss_scale).add_(new_momentum)
-        self._pending[key] = new_momentum
-        return compensated
+            return new_momentum if velocity is None else velocity + new_momentum
+        new_momentum = _scaled(momentum, loss_scale).mul_(self.momentum).add_(grad)
+        return new_momentum if velocity is None else _scaled(velocity, loss_scale).add_(new_momentum)
 
-    def update(self, key: str, compensated: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None:
-        new_momentum = self._pending.pop(key, None)
-        if new_momentum is None or new_momentum.shape != compensated.shape:
-            raise RuntimeError(f"DGCMemory.update({key!r}) without a matching compensate")
-        check_finite(key, compensated)
-        check_finite(key, new_momentum, "momentum")
-        velocity = torch.empty_like(compensated, memory_format=torch.contiguous_format)
-        _store_unscaled(velocity, compensated, loss_scale)
+    def _commit_momentum(self, key: str, grad: Tensor, loss_scale: Tensor | None) -> Tensor:
+        """u <- momentum * u + g in place, in the units of the round's gradients (still scaled)."""
+        grad = self._clipped(key, grad, loss_scale, commit=True)
+        if self._fresh(key, grad):
+            self.momenta[key] = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
+            self.velocities.pop(key, None)
+        momentum = self.momenta[key]
         if loss_scale is not None:
-            new_momentum.mul_(_scale_on(loss_scale, new_momentum).reciprocal())
+            momentum.mul_(_scale_on(loss_scale, momentum))
+        return momentum.mul_(self.momentum).add_(grad)
+
+    def update(self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None:
+        check_finite(key, grad, "gradient")
+        momentum = self._commit_momentum(key, grad, loss_scale)
+        velocity = self.velocities.get(key)
+        if velocity is None:
+            velocity = self.velocities[key] = momentum.clone()
+        else:
+            _add_scaled_(velocity, momentum, loss_scale)
+        _unscale_(velocity, loss_scale)
+        _unscale_(momentum, loss_scale)
+        _checked_commit(key, [momentum, velocity], [self.momenta, self.velocities])
         _zero_at(velocity, sent_indices)
-        _zero_at(new_momentum, sent_indices)
-        self.momenta[key] = new_momentum
-        self.velocities[key] = velocity
+        _zero_at(momentum, sent_indices)
 
     def compensate_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor:
         return self.compensate(key, grad, loss_scale)
 
-    def settle_dense(self, key: str, compensated: Tensor, loss_scale: Tensor | None = None) -> None:
-        new_momentum = self._pending.pop(key, None)
-        if new_momentum is None or new_momentum.shape != compensated.shape:
-            raise RuntimeError(f"DGCMemory.settle_dense({key!r}) without a matching compensate_dense")
-        check_finite(key, compensated)
-        check_finite(key, new_momentum, "momentum")
-        if loss_scale is not None:
-            new_momentum.mul_(_scale_on(loss_scale, new_momentum).reciprocal())
-        self.momenta[key] = new_momentum
+    def settle_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> None:
+        check_finite(key, grad, "gradient")
+        momentum = _unscale_(self._commit_momentum(key, grad, loss_scale), loss_scale)
         self.velocities.pop(key, None)
+        _checked_commit(key, [momentum], [self.momenta])
 
     def residual(self, key: str) -> Tensor | None:
         return self.velocities.get(key)
@@ -263,7 +304,7 @@ class DGCMemory(Memory):
         for key in velocities:
             check_finite(key, velocities[key], "saved velocity")
         self.momenta, self.velocities = momenta, velocities
-        self._pending.clear()
+        self._clip_factors.clear()
 
     def to(self, device: torch.device) -> None:
         self.momenta = {k: v.to(device) for k, v in self.momenta.items()}
@@ -272,4 +313,4 @@ class DGCMemory(Memory):
     def reset(self) -> None:
         self.momenta.clear()
         self.velocities.clear()
-        self._pending.clear()
+        self._clip_factors.clear()
