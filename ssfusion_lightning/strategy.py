@@ -91,10 +91,15 @@ class SSFusionStrategy(DDPStrategy):
         memory: error feedback, "residual" | "dgc" | "none".
         fusion: buffer/selection policy (see ``available_fusion_policies()``).
         comm: collective (see ``available_communicators()``).
-        buffer_mb: cap of a fusion buffer in MiB (a finite number > 0).
+        buffer_mb: "auto" (default) or the cap of a fusion buffer in MiB (a finite number > 0).
+            "auto" profiles the first rounds (backward time per tensor, compression cost, the
+            links' alpha-beta) and then cuts the buffers so that the modelled communication of the
+            round ends earliest: early buffers launch while the backward goes on. Until then, and
+            for a dense sparsifier, it is DDP's layout (1 MiB first, then 25 MiB).
         first_buffer_mb: cap in MiB of the buffer that closes first in backward order (default:
-            ``buffer_mb``). A small first buffer (DDP uses 1 MiB) starts communication while the
-            rest of the backward runs; with one big buffer nothing overlaps.
+            ``buffer_mb``; under "auto", 1 MiB until costs are measured, then the cost cut's).
+            A small first buffer (DDP uses 1 MiB) starts communication while the rest of the
+            backward runs; with one big buffer nothing overlaps.
         process_groups: number of strategy-owned process groups buffers rotate over (>= 1).
         offload: where sparsification runs: "none" | "thread" | "stream" | "auto" ("stream" needs CUDA
             devices; checked as soon as the Trainer has chosen the accelerator, before launching ranks).
@@ -121,7 +126,7 @@ class SSFusionStrategy(DDPStrategy):
         memory: str = "residual",
         fusion: str = "selective",
         comm: str = "hybrid",
-        buffer_mb: float = 25.0,
+        buffer_mb: float | str = "auto",
         first_buffer_mb: Optional[float] = None,
         process_groups: int = 2,
         offload: str = "auto",
@@ -174,7 +179,7 @@ class SSFusionStrategy(DDPStrategy):
         self.fusion_name = _choice("fusion policy", fusion, FUSION_POLICIES.names())
         self.comm_name = _choice("comm", comm, COMMUNICATORS.names())
         self.offload = _choice("offload", offload, OFFLOAD_CHOICES)
-        self.buffer_mb = _positive_mib("buffer_mb", buffer_mb)
+        self.buffer_mb = "auto" if buffer_mb == "auto" else _positive_mib("buffer_mb", buffer_mb, ' or "auto"')
         self.first_buffer_mb = (
             None if first_buffer_mb is None else _positive_mib("first_buffer_mb", first_buffer_mb, " or None (= buffer_mb)")
         )
@@ -301,7 +306,7 @@ class SSFusionStrategy(DDPStrategy):
             COMMUNICATORS.build(self.comm_name, **self.comm_options),
             channels,
             EngineConfig(
-                buffer_bytes=self.buffer_mb * 1024 * 1024,
+                buffer_bytes=None if self.buffer_mb == "auto" else self.buffer_mb * 1024 * 1024,
                 first_buffer_bytes=None if self.first_buffer_mb is None else self.first_buffer_mb * 1024 * 1024,
                 warmup_steps=self.warmup_steps,
                 find_unused_parameters=self.find_unused_parameters,

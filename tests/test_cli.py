@@ -110,7 +110,7 @@ def test_misspelled_group_option_fails_listing_the_valid_choices(tmp_path):
     "overrides, message",
     [
         (["strategy.density=0"], "invalid value strategy.density=0; valid: a number with 0 < density <= 1"),
-        (["strategy.buffer_mb=-1"], "invalid value strategy.buffer_mb=-1; valid: a number of MiB > 0"),
+        (["strategy.buffer_mb=-1"], "invalid value strategy.buffer_mb=-1; valid: auto, or a number of MiB > 0"),
         (["strategy.offload=bogus"], "invalid value strategy.offload=bogus; valid: one of none, thread, stream, auto"),
         (["trainer.devices=0"], "invalid value trainer.devices=0; valid: a number of processes >= 1, or auto"),
         (
@@ -302,7 +302,7 @@ def test_first_buffer_cap_reaches_the_strategy_and_null_means_buffer_mb():
         ("strategy.timeout=0", "invalid value strategy.timeout=0; valid: a number of seconds > 0, or null"),
         ("strategy.nonfinite=ignore", "invalid value strategy.nonfinite=ignore; valid: one of raise, skip"),
         ("strategy.first_buffer_mb=-1", "invalid value strategy.first_buffer_mb=-1; valid: a number of MiB > 0, or null"),
-        ("strategy.buffer_mb=nan", "invalid value strategy.buffer_mb=nan; valid: a number of MiB > 0"),
+        ("strategy.buffer_mb=nan", "invalid value strategy.buffer_mb=nan; valid: auto, or a number of MiB > 0"),
         ("strategy.density=1.5", "invalid value strategy.density=1.5; valid: a number with 0 < density <= 1"),
         ("strategy.process_groups=0", "invalid value strategy.process_groups=0; valid: an integer >= 1"),
         ("strategy.warmup_steps=-1", "invalid value strategy.warmup_steps=-1; valid: an integer >= 0"),

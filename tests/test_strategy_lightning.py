@@ -54,7 +54,7 @@ def test_strategy_string_reaches_the_trainer():
         ({"offload": "gpu"}, "unknown offload 'gpu'; valid choices: auto, none, stream, thread"),
         ({"density": 0.0}, "0 < density <= 1, got 0.0"),
         ({"density": 1.5}, "0 < density <= 1, got 1.5"),
-        ({"buffer_mb": -1}, "buffer_mb must be a positive number, got -1"),
+        ({"buffer_mb": -1}, 'buffer_mb must be a positive number or "auto", got -1'),
         ({"first_buffer_mb": 0}, "first_buffer_mb must be a positive number or None (= buffer_mb), got 0"),
         ({"process_groups": 0}, "process_groups must be an integer >= 1, got 0"),
         ({"warmup_steps": -2}, "warmup_steps must be an integer >= 0, got -2"),

@@ -355,8 +355,8 @@ def test_two_optimizers_touch_only_the_stepped_models_error_feedback(pool2):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"buffer_mb": float("nan")}, "buffer_mb must be a positive number, got nan (a finite size in MiB)"),
-        ({"buffer_mb": float("inf")}, "buffer_mb must be a positive number, got inf (a finite size in MiB)"),
+        ({"buffer_mb": float("nan")}, 'buffer_mb must be a positive number or "auto", got nan (a finite size in MiB)'),
+        ({"buffer_mb": float("inf")}, 'buffer_mb must be a positive number or "auto", got inf (a finite size in MiB)'),
         ({"first_buffer_mb": float("nan")}, "first_buffer_mb must be a positive number or None (= buffer_mb), got nan"),
         ({"first_buffer_mb": float("inf")}, "first_buffer_mb must be a positive number or None (= buffer_mb), got inf"),
         (

@@ -99,7 +99,7 @@ _SSFUSION_RULES: dict[str, Callable[[str, Any], None]] = {
     "start_method": _choice_rule(START_METHODS),
     "density": _rule(lambda v: _is_number(v) and 0 < v <= 1, "a number with 0 < density <= 1"),
     "memory": _choice_rule(MEMORY_CHOICES),
-    "buffer_mb": _rule(lambda v: _is_number(v) and v > 0, "a number of MiB > 0"),
+    "buffer_mb": _rule(lambda v: v == "auto" or (_is_number(v) and v > 0), "auto, or a number of MiB > 0"),
     "first_buffer_mb": _rule(lambda v: v is None or (_is_number(v) and v > 0), "a number of MiB > 0, or null (= buffer_mb)"),
     "process_groups": _rule(lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "offload": _choice_rule(OFFLOAD_CHOICES),

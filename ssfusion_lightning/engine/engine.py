@@ -40,7 +40,8 @@ from ssfusion_lightning.sparsifiers import Memory, Sparsifier
 
 @dataclass
 class EngineConfig:
-    buffer_bytes: float
+    #: cap of a fusion buffer; None ("auto"): the cost model's cut once costs are agreed
+    buffer_bytes: float | None
     #: cap of the buffer that closes first in backward order (None: buffer_bytes)
     first_buffer_bytes: float | None = None
     warmup_steps: int = 0
@@ -174,7 +175,8 @@ class FusionEngine:
         self.order = list(reversed(range(len(self.params))))
         self.costs: CostProfile | None = None
         self.offloader = Offloader(config.offload, channels.device) if config.offload != "none" else None
-        needs_profile = policy.needs_costs or config.offload == "auto"
+        auto_cut = config.buffer_bytes is None and not sparsifier.is_dense
+        needs_profile = policy.needs_costs or config.offload == "auto" or auto_cut
         self._profile_start = max(1, config.warmup_steps)
         self._profile_end = self._profile_start + config.profile_steps if needs_profile else 0
         self._profiler = Profiler(self.names) if needs_profile else None

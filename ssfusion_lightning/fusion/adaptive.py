@@ -9,6 +9,7 @@ finish later (the last communication is exposed anyway). Selections are aligned 
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from ssfusion_lightning.costmodel import CostProfile
@@ -78,8 +79,9 @@ class AdaptivePolicy(FusionPolicy):
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         costs = ctx.costs or CostProfile(world_size=ctx.world_size)
         sparse = not ctx.sparsifier.is_dense
+        cap = math.inf if ctx.buffer_bytes is None else ctx.buffer_bytes  # "auto": the sizing is this policy's own
         buffers = tuple(
             Buffer(index, make_slots(items, lambda spec: sparse, lambda spec: planned_k(ctx.sparsifier, spec)), index % ctx.num_channels)
-            for index, items in enumerate(adaptive_boundaries(params, costs, ctx.sparsifier, ctx.buffer_bytes, ctx.first_buffer_bytes))
+            for index, items in enumerate(adaptive_boundaries(params, costs, ctx.sparsifier, cap, ctx.first_buffer_bytes))
         )
         return Plan(buffers, {"measured_costs": costs.measured})

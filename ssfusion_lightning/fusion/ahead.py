@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ssfusion_lightning.engine.plan import ParamSpec, Plan
-from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, byte_capped_plan, planned_k
+from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, cut_plan, planned_k
 
 
 @FUSION_POLICIES.register("ahead")
@@ -18,7 +18,4 @@ class AheadPolicy(FusionPolicy):
 
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         sparse = not ctx.sparsifier.is_dense
-        return byte_capped_plan(
-            params, ctx, ctx.buffer_bytes, lambda spec: sparse, lambda spec: planned_k(ctx.sparsifier, spec),
-            ctx.first_buffer_bytes,
-        )
+        return cut_plan(params, ctx, lambda spec: sparse, lambda spec: planned_k(ctx.sparsifier, spec))

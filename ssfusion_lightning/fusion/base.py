@@ -10,7 +10,8 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 from torch import Tensor
 
-from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, Slot, cut_by_bytes
+from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, Slot
+from ssfusion_lightning.fusion.cut import cut_buffers
 from ssfusion_lightning.registry import Registry
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier, k_for
 
@@ -20,7 +21,8 @@ class PlanContext:
     """Everything a policy may plan from; identical on every rank."""
 
     sparsifier: Sparsifier
-    buffer_bytes: float
+    #: cap of a buffer; None ("auto"): the cost model's cut (see ``fusion/cut.py``)
+    buffer_bytes: float | None
     num_channels: int
     world_size: int
     costs: Any = None  # agreed CostProfile for cost-driven policies (None before profiling)
@@ -220,11 +222,15 @@ def planned_k(sparsifier: Sparsifier, spec: ParamSpec, density: float | None = N
     return k if exact is None else exact
 
 
-def byte_capped_plan(
-    params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext, cap_bytes: float, sparse_of, k_of, first_cap_bytes: float | None = None
-) -> Plan:
+def cut(params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext, sparse_of, k_of) -> list[list[tuple[int, ParamSpec]]]:
+    """The context's cut of ``params`` into buffers: its byte caps, or the cost cut for "auto"."""
+    return cut_buffers(params, ctx.buffer_bytes, ctx.first_buffer_bytes, ctx.costs, sparse_of, k_of)
+
+
+def cut_plan(params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext, sparse_of, k_of) -> Plan:
+    """Buffers as the context cuts them, each tensor sparse or dense by ``sparse_of``."""
     buffers = tuple(
         Buffer(index, make_slots(items, sparse_of, k_of), channel=index % ctx.num_channels)
-        for index, items in enumerate(cut_by_bytes(params, cap_bytes, first_cap_bytes))
+        for index, items in enumerate(cut(params, ctx, sparse_of, k_of))
     )
     return Plan(buffers)

@@ -22,7 +22,7 @@ from ssfusion_lightning.fusion.base import (
     FusionPolicy,
     PendingUpdate,
     PlanContext,
-    byte_capped_plan,
+    cut_plan,
 )
 from ssfusion_lightning.sparsifiers import k_for
 
@@ -40,9 +40,7 @@ class BehindPolicy(FusionPolicy):
             )
         sparse = not ctx.sparsifier.is_dense
         density = ctx.sparsifier.density
-        return byte_capped_plan(
-            params, ctx, ctx.buffer_bytes, lambda spec: sparse, lambda spec: k_for(spec.numel, density), ctx.first_buffer_bytes
-        )
+        return cut_plan(params, ctx, lambda spec: sparse, lambda spec: k_for(spec.numel, density))
 
     def compress(
         self, buffer: Buffer, grads: Sequence[Tensor | None], dense_out: Tensor | None, ctx: CompressContext

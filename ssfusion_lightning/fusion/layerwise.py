@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from ssfusion_lightning.engine.plan import ParamSpec, Plan
-from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, byte_capped_plan, planned_k
+from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, cut_plan, planned_k
 
 
 @FUSION_POLICIES.register("layerwise")
@@ -14,4 +15,5 @@ class LayerwisePolicy(FusionPolicy):
 
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         sparse = not ctx.sparsifier.is_dense
-        return byte_capped_plan(params, ctx, 0, lambda spec: sparse, lambda spec: planned_k(ctx.sparsifier, spec))
+        one_per_tensor = replace(ctx, buffer_bytes=0, first_buffer_bytes=None)
+        return cut_plan(params, one_per_tensor, lambda spec: sparse, lambda spec: planned_k(ctx.sparsifier, spec))

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, cut_by_bytes
-from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, make_slots, planned_k
+from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan
+from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, cut, make_slots, planned_k
 
 
 def sparse_decisions(params: Sequence[tuple[int, ParamSpec]], costs: CostProfile, sparsifier) -> dict[str, bool]:
@@ -46,6 +46,8 @@ class PartialPolicy(FusionPolicy):
                 make_slots(items, lambda spec: decisions[spec.name], lambda spec: planned_k(ctx.sparsifier, spec)),
                 index % ctx.num_channels,
             )
-            for index, items in enumerate(cut_by_bytes(params, ctx.buffer_bytes, ctx.first_buffer_bytes))
+            for index, items in enumerate(
+                cut(params, ctx, lambda spec: decisions[spec.name], lambda spec: planned_k(ctx.sparsifier, spec))
+            )
         )
         return Plan(buffers, {"sparse_tensors": sum(decisions.values()), "measured_costs": costs.measured})

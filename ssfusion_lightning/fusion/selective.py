@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, cut_by_bytes
-from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, make_slots, planned_k
+from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan
+from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, cut, make_slots, planned_k
 
 
 def choose_threshold(items: Sequence[tuple[int, ParamSpec]], density: float, costs: CostProfile, sparsifier) -> tuple[int, float]:
@@ -47,7 +47,10 @@ class SelectivePolicy(FusionPolicy):
     def plan(self, params: Sequence[tuple[int, ParamSpec]], ctx: PlanContext) -> Plan:
         costs = ctx.costs or CostProfile(world_size=ctx.world_size)
         buffers, thresholds = [], []
-        for index, items in enumerate(cut_by_bytes(params, ctx.buffer_bytes, ctx.first_buffer_bytes)):
+        # the cut sees every tensor sparse at the density; the thresholds are chosen per buffer after
+        sparse = not ctx.sparsifier.is_dense
+        groups = cut(params, ctx, lambda spec: sparse, lambda spec: planned_k(ctx.sparsifier, spec))
+        for index, items in enumerate(groups):
             if ctx.sparsifier.is_dense:
                 tau, sparse_density = max(spec.numel for _, spec in items), 1.0
             else:

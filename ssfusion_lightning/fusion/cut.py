@@ -1,0 +1,117 @@
+"""Where buffers end: a byte cap, or (``buffer_bytes=None``, "auto") the cut the cost model says
+finishes the round's communication earliest.
+
+The cost cut is a dynamic program over the tensors in backward order. Tensor i is ready to launch
+at ``R_i``: the backward up to it plus the compression of every sparse tensor up to it (the main
+thread does both, per tensor in the hook or per buffer at its launch: the same sum either way).
+A buffer (a, b] starts its communication when its last tensor is ready and the link has finished
+the previous buffer, and takes the alpha-beta time of its dense all-reduce plus its sparse
+all-gather of k (value, position) pairs. With F(b) the earliest finish of the first b tensors,
+
+    F(b) = min over a < b of  max(R_b, F(a)) + comm(a, b)
+
+and since the finish only grows with F(a), the prefix's best cut is part of the best cut of the
+whole: the program is exact for this model. Ties go to fewer buffers. The costs are the ones every
+rank agreed on, so every rank computes the same cut.
+
+Without costs yet (the profiling rounds), and for a dense sparsifier, "auto" is DDP's layout: a
+1 MiB first buffer, then 25 MiB ones, so the dense engine sums exactly as DDP does.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ssfusion_lightning.costmodel import CostProfile
+from ssfusion_lightning.engine.plan import ParamSpec, cut_by_bytes
+
+Item = tuple[int, ParamSpec]
+
+#: DDP's bucket caps: its first bucket, then every other one
+DDP_FIRST_BUFFER_BYTES = 1024 * 1024
+DDP_BUFFER_BYTES = 25 * 1024 * 1024
+#: the most tensors one buffer of the cost cut may hold (bounds the program to O(n * window))
+WINDOW = 512
+
+
+def cut_buffers(
+    params: Sequence[Item],
+    cap_bytes: float | None,
+    first_cap_bytes: float | None,
+    costs: CostProfile | None,
+    sparse_of: Callable[[ParamSpec], bool],
+    k_of: Callable[[ParamSpec], int],
+) -> list[list[Item]]:
+    """The plan's groups: ``cap_bytes`` given: greedy byte caps; None ("auto"): the cost cut when
+    agreed costs exist and some tensor is sparse, else DDP's layout."""
+    if cap_bytes is not None:
+        return cut_by_bytes(params, cap_bytes, first_cap_bytes)
+    first = DDP_FIRST_BUFFER_BYTES if first_cap_bytes is None else first_cap_bytes
+    if costs is None or not costs.measured or not any(sparse_of(spec) for _, spec in params):
+        return cut_by_bytes(params, DDP_BUFFER_BYTES, first)
+    return cut_by_cost(params, costs, sparse_of, k_of, first_cap_bytes)
+
+
+def cut_by_cost(
+    params: Sequence[Item],
+    costs: CostProfile,
+    sparse_of: Callable[[ParamSpec], bool],
+    k_of: Callable[[ParamSpec], int],
+    first_cap_bytes: float | None = None,
+) -> list[list[Item]]:
+    """The groups that minimise the modelled finish of the last buffer's communication (see the
+    module docstring); a buffer never mixes dtypes, and the first one respects ``first_cap_bytes``."""
+    n = len(params)
+    if n == 0:
+        return []
+    ready, dense_numel, sparse_pairs, nbytes = [0.0], [0], [0], [0]
+    clock = 0.0
+    for _, spec in params:
+        sparse = sparse_of(spec)
+        clock += costs.backward_seconds(spec.name) + (costs.compress_seconds(spec.numel) if sparse else 0.0)
+        ready.append(clock)
+        dense_numel.append(dense_numel[-1] + (0 if sparse else spec.numel))
+        sparse_pairs.append(sparse_pairs[-1] + (k_of(spec) if sparse else 0))
+        nbytes.append(nbytes[-1] + spec.nbytes)
+    element = [spec.nbytes // max(1, spec.numel) for _, spec in params]
+
+    def comm(a: int, b: int) -> float:
+        size = element[b - 1]
+        return costs.dense_seconds(dense_numel[b] - dense_numel[a], size) + costs.sparse_seconds(
+            sparse_pairs[b] - sparse_pairs[a], size
+        )
+
+    # finish[b], buffers[b], start[b]: the best cut of the first b tensors, its buffer count and
+    # where its last buffer starts
+    finish, buffers, start = [0.0] + [float("inf")] * n, [0] * (n + 1), [0] * (n + 1)
+    for b in range(1, n + 1):
+        dtype = params[b - 1][1].dtype
+        for a in range(b - 1, max(-1, b - 1 - WINDOW), -1):
+            if params[a][1].dtype != dtype:
+                break
+            if a == 0 and first_cap_bytes is not None and nbytes[b] > first_cap_bytes and b > 1:
+                continue
+            candidate = (max(ready[b], finish[a]) + comm(a, b), buffers[a] + 1)
+            if candidate < (finish[b], buffers[b]):
+                finish[b], buffers[b], start[b] = candidate[0], candidate[1], a
+    groups: list[list[Item]] = []
+    b = n
+    while b > 0:
+        groups.append(list(params[start[b] : b]))
+        b = start[b]
+    return groups[::-1]
+
+
+def modelled_finish(groups: Sequence[Sequence[Item]], costs: CostProfile, sparse_of, k_of) -> float:
+    """The finish of the last buffer's communication under the same model (for tests and reports)."""
+    clock = link_free = 0.0
+    for group in groups:
+        dense = sparse = 0
+        for _, spec in group:
+            is_sparse = sparse_of(spec)
+            clock += costs.backward_seconds(spec.name) + (costs.compress_seconds(spec.numel) if is_sparse else 0.0)
+            dense += 0 if is_sparse else spec.numel
+            sparse += k_of(spec) if is_sparse else 0
+        size = group[-1][1].nbytes // max(1, group[-1][1].numel)
+        link_free = max(clock, link_free) + costs.dense_seconds(dense, size) + costs.sparse_seconds(sparse, size)
+    return link_free
