@@ -33,6 +33,7 @@ from ssfusion_lightning.engine.errors import CommunicationError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.state import CHECKPOINT_KEY, ResumeChanges, gather_to_rank0, plain, resume_changes
 from ssfusion_lightning.engine.state import FORMAT as ENGINE_STATE_FORMAT
+from ssfusion_lightning.engine.timeline import Timeline
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, validate_density
@@ -115,6 +116,10 @@ class SSFusionStrategy(DDPStrategy):
             fusion policy and memory (e.g. ``comm_options={"choice": "sparcml"}`` for ``comm="zen"``).
         timeout: as DDP's; also bounds every collective of the strategy's own process groups, so a
             dead rank or a cut link fails the step with an error instead of hanging.
+        timeline: record this rank's engine phases per buffer (compression, launch, collectives,
+            waits) in ``strategy.timeline`` from the start (``strategy.timeline.enable()`` does it
+            at any time); see ``ssfusion_lightning/engine/timeline.py``. Recording never changes
+            what is sent, so ranks may differ here.
     """
 
     strategy_name = "ssfusion"
@@ -145,6 +150,7 @@ class SSFusionStrategy(DDPStrategy):
         comm_options: Optional[dict[str, Any]] = None,
         fusion_options: Optional[dict[str, Any]] = None,
         memory_options: Optional[dict[str, Any]] = None,
+        timeline: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -199,6 +205,8 @@ class SSFusionStrategy(DDPStrategy):
         COMMUNICATORS.build(self.comm_name, **self.comm_options)
         FUSION_POLICIES.build(self.fusion_name, **self.fusion_options)
         MEMORIES.build(self.memory_name, **self.memory_options)
+        # the strategy's, not the engine's: it can be enabled before setup and read after teardown
+        self.timeline = Timeline(enabled=bool(timeline))
         self.engine: FusionEngine | None = None
         self.last_metrics: StepMetrics = StepMetrics()
         self._groups: list[dist.ProcessGroup] = []
@@ -318,6 +326,7 @@ class SSFusionStrategy(DDPStrategy):
             sparse_gradients=[name for name, param in named if id(param) in sparse_ids],
             # fp16 mixed precision: the scaler's scale is in the gradients, and it skips non-finite steps
             grad_scaler=getattr(self.precision_plugin, "scaler", None),
+            timeline=self.timeline,
         )
 
     def _create_groups(self) -> list[dist.ProcessGroup]:

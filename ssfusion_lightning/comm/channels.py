@@ -15,6 +15,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ssfusion_lightning.engine.timeline import Timeline
+
 
 @dataclass
 class Completed:
@@ -38,6 +40,7 @@ class Channel:
         self.device = device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ssfusion-comm{index}")
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.timeline = Timeline()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args, group)`` on this channel; on CUDA it waits for the submitting stream first."""
@@ -45,17 +48,22 @@ class Channel:
         if self._stream is not None:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        return self._executor.submit(self._run, fn, args, ready)
+        # a job submitted while a buffer is being launched is that buffer's communication
+        buffer = self.timeline.current_buffer()
+        return self._executor.submit(self._run, fn, args, ready, buffer)
 
-    def _run(self, fn: Callable[..., Any], args: Sequence[Any], ready: torch.cuda.Event | None) -> Completed:
-        if self._stream is None:
-            return Completed(fn(*args, self.group), None)
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
-            value = fn(*args, self.group)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        return Completed(value, done)
+    def _run(self, fn: Callable[..., Any], args: Sequence[Any], ready: torch.cuda.Event | None, buffer: int | None) -> Completed:
+        with self.timeline.span("comm" if buffer is not None else "control", buffer):
+            if self._stream is None:
+                return Completed(fn(*args, self.group), None)
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                value = fn(*args, self.group)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            if self.timeline.enabled:
+                done.synchronize()  # the span ends when the collective has, not when it was queued
+            return Completed(value, done)
 
     def shutdown(self, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
@@ -78,6 +86,11 @@ class ChannelSet:
 
     def __len__(self) -> int:
         return len(self.channels)
+
+    def set_timeline(self, timeline: Timeline) -> None:
+        """Record every channel's collectives on ``timeline``."""
+        for channel in self.channels:
+            channel.timeline = timeline
 
     def __getitem__(self, index: int) -> Channel:
         return self.channels[index % len(self.channels)]

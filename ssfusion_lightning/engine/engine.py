@@ -33,6 +33,7 @@ from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradie
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
 from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, Slot
+from ssfusion_lightning.engine.timeline import Timeline
 from ssfusion_lightning.fusion import CompressContext, Encoded, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier
@@ -133,6 +134,8 @@ class FusionEngine:
         grad_scaler: the GradScaler of fp16 mixed precision, if any. Its scale is in the
             gradients: error feedback keeps its state unscaled, and a non-finite step is the
             scaler's to skip: every rank writes inf into the gradients, whatever ``nonfinite`` says.
+        timeline: where the phases of every buffer are recorded (see ``timeline.py``); by default
+            a new one that records nothing until enabled.
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class FusionEngine:
         config: EngineConfig,
         sparse_gradients: Collection[str] = (),
         grad_scaler: torch.amp.GradScaler | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
@@ -160,6 +164,9 @@ class FusionEngine:
         # Sparse gradients must be summed exactly; Ok-Topk keeps only about k entries of a sum.
         self._coo_communicator = communicator if communicator.exact else COMMUNICATORS.build("allgather")
         self.world_size = dist.get_world_size(channels[0].group) if dist.is_initialized() else 1
+        self.timeline = timeline if timeline is not None else Timeline()
+        self.timeline.rank = dist.get_rank() if dist.is_initialized() else 0
+        channels.set_timeline(self.timeline)
         self.step = 0
         self.sync_enabled = True
         self.metrics = StepMetrics()
@@ -228,6 +235,8 @@ class FusionEngine:
         return self._profiler is not None and self._profile_start <= self.step < self._profile_end
 
     def begin_backward(self) -> None:
+        self.timeline.step = self.step
+        self.timeline.mark("backward.begin")
         if self._restored_accumulation is not None:
             for position, (name, param) in enumerate(zip(self.names, self.params)):
                 grad = self._restored_accumulation.get(name)
@@ -364,9 +373,10 @@ class FusionEngine:
         self, slot: Slot, grad: Tensor | None, dense_out: Tensor | None, ctx: CompressContext, offloaded: bool
     ) -> Piece:
         started = time.perf_counter()
-        if slot.sparse and grad is not None:
-            self._finite.append(all_finite([grad]))
-        piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
+        with self.timeline.span("select", self._slot_of[slot.param][0], slot.name):
+            if slot.sparse and grad is not None:
+                self._finite.append(all_finite([grad]))
+            piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
         elapsed = time.perf_counter() - started
         if offloaded:
             self.metrics.offloaded_compress_seconds += elapsed
@@ -391,8 +401,10 @@ class FusionEngine:
     def _pack_and_launch(self, buffer: Buffer):
         """Runs after every piece of the buffer: the worker is FIFO, so offloaded pieces are done."""
         pieces = [piece.result() if isinstance(piece, Future) else piece for piece in self._pieces[buffer.index]]
-        encoded = self.policy.pack(buffer, pieces, self._dense_out(buffer), self._context(buffer))
-        return self._launch_encoded(buffer, self._finish_encoding(buffer, encoded))
+        with self.timeline.span("pack", buffer.index):
+            encoded = self.policy.pack(buffer, pieces, self._dense_out(buffer), self._context(buffer))
+            encoded = self._finish_encoding(buffer, encoded)
+        return self._launch_encoded(buffer, encoded)
 
     def _launch_whole(self, buffer: Buffer) -> None:
         """Whole-buffer policies (``behind``): compress the complete buffer at once."""
@@ -438,10 +450,11 @@ class FusionEngine:
 
     def _compress_buffer(self, buffer: Buffer, grads: list[Tensor | None]) -> Encoded:
         started = time.perf_counter()
-        sparse = [g for slot, g in zip(buffer.slots, grads) if slot.sparse and g is not None]
-        if sparse:
-            self._finite.append(all_finite(sparse))
-        encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context(buffer))
+        with self.timeline.span("select", buffer.index):
+            sparse = [g for slot, g in zip(buffer.slots, grads) if slot.sparse and g is not None]
+            if sparse:
+                self._finite.append(all_finite(sparse))
+            encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context(buffer))
         self.metrics.compress_seconds += time.perf_counter() - started
         return self._finish_encoding(buffer, encoded)
 
@@ -457,7 +470,8 @@ class FusionEngine:
 
     def _launch_encoded(self, buffer: Buffer, encoded: Encoded) -> tuple[Buffer, PendingReduction, Encoded]:
         communicator = self._coo_communicator if buffer.slots[0].param in self._coo else self.communicator
-        pending = communicator.launch(encoded, buffer, self.channels)
+        with self.timeline.span("launch", buffer.index):  # the channels name its collectives after the buffer
+            pending = communicator.launch(encoded, buffer, self.channels)
         self.metrics.buffers += 1
         self.metrics.dense_tensors += len(buffer.dense_slots)
         self.metrics.sparse_tensors += len(buffer.sparse_slots)
@@ -467,6 +481,7 @@ class FusionEngine:
     # ---------------------------------------------------------------- write gradients
     def finish(self) -> StepMetrics:
         """Launch what is left (missing gradients count as zeros), wait, decode, write ``.grad``."""
+        self.timeline.mark("backward.end")
         if not self.sync_enabled:
             return self.metrics
         buffers = self._buffers
@@ -503,8 +518,9 @@ class FusionEngine:
             where = "all-reduced dense gradients" + (" or the summed sparse gradients" if coo_sums else "")
             return self._drop_round(f"in the {where} (this rank's own were {own})", globally_used)
         for buffer, reduced, encoded in results:
-            self._update_memory(encoded, reduced)  # from the round's gradients, before they are overwritten
-            self._write_gradients(buffer, reduced, globally_used)
+            with self.timeline.span("write", buffer.index):
+                self._update_memory(encoded, reduced)  # from the round's gradients, before they are overwritten
+                self._write_gradients(buffer, reduced, globally_used)
             self._count_traffic(buffer, reduced)
         self.sparsifier.advance()
         self.step += 1
@@ -574,7 +590,8 @@ class FusionEngine:
 
     def _wait(self, buffer: Buffer, pending: PendingReduction) -> Reduced:
         what = f"buffer {buffer.index} ({self.communicator.name} on process group {buffer.channel % len(self.channels)})"
-        return self._guarded(what, pending.wait)
+        with self.timeline.span("wait", buffer.index):
+            return self._guarded(what, pending.wait)
 
     def _guarded(self, what: str, wait) -> Any:
         """A failure or a time-out becomes a CommunicationError naming the step and what failed."""
