@@ -43,14 +43,14 @@ REPO = HERE.parent
 RESULTS = HERE / "results"
 REPORT = HERE / "REPORT.md"
 
-DDP_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd")
+DDP_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd4")
 ENGINE_SCHEMES = ("ssfusion", "ssfusion_dense", "safusion", "adtopk", "zen", "oktopk", "layerwise", "behind")
 SCHEMES = DDP_SCHEMES + ENGINE_SCHEMES
 #: schemes trained for --acc-steps in the accuracy phase (the others do not train a shared model)
 ACCURACY_SCHEMES = tuple(s for s in SCHEMES if s not in ("compute_only", "compute_sync", "ssfusion_dense"))
-HOOKS = ("ddp_fp16", "ddp_powersgd")
+HOOKS = ("ddp_fp16", "ddp_powersgd", "ddp_powersgd4")
 DEFAULT_RATES = ["none", "150mbit", "40mbit"]
-WORKLOADS = ("resnet18", "gpt2")
+WORKLOADS = ("resnet18", "gpt2", "gpt2_10m")
 
 STEP_FIELDS = [
     "world", "rate", "workload", "scheme", "rep", "step", "seconds", "cpu_seconds", "bytes_sent", "bytes_received",
@@ -90,7 +90,7 @@ def rate_label(rate: str) -> str:
 DDP_WARMUP = 3
 #: schemes of the target checks: run --key-repeats times (interleaved) on the slowest link and,
 #: for the engine-overhead check (ssfusion_dense vs ddp), on the unshaped one
-KEY_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd", "ssfusion", "ssfusion_dense")
+KEY_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd4", "ssfusion", "ssfusion_dense")
 
 
 def build_phases(world: int, args: argparse.Namespace, accuracy_world: int) -> list[dict[str, Any]]:
@@ -665,7 +665,8 @@ def report_section(marker: str = "e2e", path: Path = REPORT) -> str | None:
 #: one fixed colour per scheme in every plot
 COLORS = {
     "compute_only": "black", "compute_sync": "dimgray", "ddp": "tab:red", "ddp_fp16": "tab:pink",
-    "ddp_powersgd": "tab:orange", "ssfusion": "tab:blue", "ssfusion_dense": "lightskyblue", "safusion": "tab:green",
+    "ddp_powersgd": "tab:orange", "ddp_powersgd4": "gold", "ssfusion": "tab:blue", "ssfusion_dense": "lightskyblue",
+    "safusion": "tab:green",
     "adtopk": "tab:olive", "zen": "tab:purple", "oktopk": "tab:brown", "layerwise": "tab:gray", "behind": "tab:cyan",
 }
 
@@ -851,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-raw", action="store_true", help="rebuild the CSVs too, from <stem>_raw.jsonl")
     parser.add_argument("--worlds", type=int, nargs="+", default=None)
     parser.add_argument("--rates", nargs="+", default=None, help="tc rates; 'none' = unshaped (put it first)")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--workloads", nargs="+", default=["resnet18", "gpt2"], choices=WORKLOADS)
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
     parser.add_argument("--steps", type=int, default=None, help="steps per throughput run")
     parser.add_argument("--warmup", type=int, default=None, help="first steps of a run left out of the medians")

@@ -70,22 +70,32 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "data": ("synthetic_tokens", {"seq_len": 32, "batch_size": 16, "branching": 4}),
         "task": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.01},
     },
+    # the workload of at least 10M parameters (10.9M: 43 MB of fp32 gradients per step)
+    "gpt2_10m": {
+        "kind": "lm",
+        "model": ("gpt2", "tiny", {"dim": 384, "depth": 6, "num_heads": 6}),
+        "data": ("synthetic_tokens", {"seq_len": 32, "batch_size": 8, "branching": 4}),
+        "task": {"optimizer": "adamw", "lr": 5e-4, "weight_decay": 0.01},
+    },
 }
 QUICK_WORKLOADS: dict[str, dict[str, Any]] = {
     "resnet18": {**WORKLOADS["resnet18"], "model": ("resnet18", "tiny", {"width": 8})},
     "gpt2": {**WORKLOADS["gpt2"], "model": ("gpt2", "tiny", {"dim": 64, "depth": 2, "num_heads": 2})},
+    "gpt2_10m": {**WORKLOADS["gpt2"], "model": ("gpt2", "tiny", {"dim": 96, "depth": 2, "num_heads": 2})},
 }
 TRAIN_SAMPLES = 1 << 20  # never reach an epoch end
 VAL_SAMPLES = 512
 
 # --------------------------------------------------------------------------- schemes
 DENSITY = 0.01
-POWERSGD_RANK = 1  # PyTorch's default: the fastest (most demanding) PowerSGD baseline
+#: PowerSGD's matrix rank per scheme: 1 is PyTorch's default and the fastest (most demanding)
+#: baseline, 4 the one that converges closer to dense
+POWERSGD_RANKS = {"ddp_powersgd": 1, "ddp_powersgd4": 4}
 #: DDP variants (Lightning's DDPStrategy, comm hook registered by this harness)
 #: compute_only: communication removed (each rank keeps its local gradient, no collective at all:
 #: the physical limit); compute_sync: the same plus one 1-element allreduce per step, i.e. the
 #: lockstep floor (every step waits for the slowest rank, as any synchronous scheme must)
-DDP_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd")
+DDP_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd4")
 #: fusion-engine schemes: keyword arguments of SSFusionStrategy
 ENGINE_SCHEMES: dict[str, dict[str, Any]] = {
     **{name: dict(SYSTEM_PRESETS[name][1]) for name in ("ssfusion", "safusion", "adtopk", "zen", "oktopk")},
@@ -141,11 +151,12 @@ def _lockstep_hook(state, bucket):
 class HookedDDP(DDPStrategy):
     """Lightning's DDPStrategy with a DDP comm hook registered on CPU too (Lightning only does it on CUDA)."""
 
-    def __init__(self, hook: str, **kwargs: Any) -> None:
+    def __init__(self, hook: str, powersgd_rank: int = 1, **kwargs: Any) -> None:
         if hook in ("noop", "lockstep"):
             kwargs.setdefault("broadcast_buffers", False)
         super().__init__(**kwargs)
         self.hook = hook
+        self.powersgd_rank = powersgd_rank
         self._hook_fn = None
 
     def configure_ddp(self) -> None:
@@ -155,7 +166,7 @@ class HookedDDP(DDPStrategy):
         elif self.hook == "powersgd":
             state = powerSGD_hook.PowerSGDState(
                 process_group=None,
-                matrix_approximation_rank=POWERSGD_RANK,
+                matrix_approximation_rank=self.powersgd_rank,
                 start_powerSGD_iter=2,  # the minimum with error feedback (default 1000: plain allreduce)
                 min_compression_rate=2,
                 use_error_feedback=True,
@@ -183,8 +194,8 @@ def make_strategy(scheme: str, overrides: dict[str, Any] | None = None) -> Any:
         return HookedDDP("lockstep")
     if scheme == "ddp_fp16":
         return HookedDDP("fp16")
-    if scheme == "ddp_powersgd":
-        return HookedDDP("powersgd")
+    if scheme in POWERSGD_RANKS:
+        return HookedDDP("powersgd", powersgd_rank=POWERSGD_RANKS[scheme])
     if scheme in ENGINE_SCHEMES:
         return SSFusionStrategy(**{"density": DENSITY, **ENGINE_SCHEMES[scheme], **(overrides or {})})
     raise ValueError(f"unknown scheme {scheme!r}; valid choices: {', '.join(SCHEMES)}")
@@ -358,7 +369,7 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
         "step_seconds": recorder.step_seconds(),
         "step_cpu_seconds": recorder.step_cpu_seconds(),
         "engine": recorder.engine if run["scheme"] in ENGINE_SCHEMES else [],
-        "hook_payload": recorder.hook_payload if run["scheme"] in ("ddp_fp16", "ddp_powersgd") else [],
+        "hook_payload": recorder.hook_payload if run["scheme"] in ("ddp_fp16", *POWERSGD_RANKS) else [],
         "fit_seconds": fit_seconds,
         "train_loss": recorder.losses,
         **recorder.plan,

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ssfusion_lightning.comm.channels import ChannelSet, result
 from ssfusion_lightning.comm.traffic import Traffic
-from ssfusion_lightning.engine.plan import Buffer
+from ssfusion_lightning.engine.plan import Buffer, Plan
 from ssfusion_lightning.fusion.base import Encoded
 from ssfusion_lightning.registry import Registry
 
@@ -63,6 +63,10 @@ class Communicator(ABC):
     @abstractmethod
     def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
         """Submit the buffer's collectives (in a fixed order) and return without waiting."""
+
+    def set_plan(self, plan: Plan) -> None:
+        """The engine's plan changed: drop what was kept for buffers the new plan no longer has."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -42,7 +42,7 @@ from ssfusion_lightning.comm.schemes import (
 )
 from ssfusion_lightning.comm.traffic import Traffic
 from ssfusion_lightning.costmodel import Link, measure_link
-from ssfusion_lightning.engine.plan import Buffer
+from ssfusion_lightning.engine.plan import Buffer, Plan
 from ssfusion_lightning.fusion.base import Encoded
 
 #: the hash seed every rank uses unless a communicator agrees on another one
@@ -134,6 +134,13 @@ def zen_partition(numel: int, world: int, seed: int = DEFAULT_SEED, device: torc
                 total -= _PARTITIONS.pop(oldest).numel
             _PARTITIONS[key] = cached
         return cached
+
+
+def release_partitions_except(numels: set[int]) -> None:
+    """Drop the cached partitions of every buffer size not in ``numels``."""
+    with _PARTITIONS_LOCK:
+        for key in [key for key in _PARTITIONS if key[0] not in numels]:
+            del _PARTITIONS[key]
 
 
 # --------------------------------------------------------------------------- bitmap codec
@@ -423,6 +430,14 @@ class ZenCommunicator(SchemeCommunicator):
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
             self._links[gid] = Link(float(agreed[0]), float(agreed[1]))
         return self._links[gid]
+
+    def set_plan(self, plan: Plan) -> None:
+        """Buffers of an earlier plan are gone: so are their choices and hash partitions (one
+        index per element of a buffer's sparse part, the largest state ZEN keeps)."""
+        live = {f"{b.index}:{b.sparse_numel}" for b in plan.buffers}
+        with self._lock:
+            self._states = {key: state for key, state in self._states.items() if key in live}
+        release_partitions_except({b.sparse_numel for b in plan.buffers})
 
     def scheme_for(self, key: str) -> str | None:
         """The scheme chosen for a buffer (None while still profiling)."""

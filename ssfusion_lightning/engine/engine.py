@@ -212,6 +212,7 @@ class FusionEngine:
         # parameter -> (buffer, slot): the same for the plan and its dense version
         self._slot_of = {**plan.slot_of, **{b.slots[0].param: (b.index, 0) for b in self._coo_buffers}}
         self._dense_storage.clear()
+        self.communicator.set_plan(plan)
         self._offloaded = self._decide_offload(plan)
         self._reset_round()
 
