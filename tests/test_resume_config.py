@@ -26,7 +26,8 @@ BASES = {
     # a fixed cap and a policy that plans without costs: this run never measures any
     "topk": dict(sparsifier="topk", density=0.05, memory="residual", fusion="ahead", comm="hybrid", offload="none", buffer_mb=25.0),
     "dgc-zen": dict(
-        sparsifier="topk", density=0.05, memory="dgc", fusion="ahead", comm="zen", offload="none", comm_options={"choice": "zen"}
+        sparsifier="topk", density=0.05, memory="dgc", fusion="ahead", comm="zen", offload="none", comm_options={"choice": "zen"},
+        buffer_mb=25.0,
     ),
 }
 
