@@ -231,3 +231,75 @@ def test_report_ab_tables_come_from_the_committed_csvs(stem):
     assert table in (RESULTS.parent / "REPORT.md").read_text()
     gpt2_40 = [r for r in rows if (r["workload"], r["rate"], r["scheme"]) == ("gpt2", "40mbit", "ssfusion")]
     assert sorted(r["variant"] for r in gpt2_40) == ["A", "A", "A", "B", "B", "B"]
+
+
+# --------------------------------------------------------------------------- bench_memory.py
+def test_bench_memory_summary_and_targets_from_rows():
+    from experiments import bench_memory
+
+    grad = 10 * bench_memory.MiB
+
+    def row(scheme, rank, peak_mb, state=0, rep=0):
+        return {"workload": "mlp12m", "scheme": scheme, "rep": str(rep), "rank": str(rank), "device": "cpu",
+                "steps": "20", "params": str(grad // 4), "grad_bytes": str(grad), "state_bytes": str(state),
+                "peak_rss_bytes": str(int(peak_mb * bench_memory.MiB)), "baseline_rss_bytes": str(400 * bench_memory.MiB),
+                "train_start_rss_bytes": str(410 * bench_memory.MiB), "end_rss_bytes": str(450 * bench_memory.MiB),
+                "cuda_max_allocated_bytes": "", "error": ""}
+
+    runs = [row("ddp", 0, 500), row("ddp", 1, 900), row("ddp", 0, 510, rep=1), row("ddp", 1, 510, rep=1),
+            row("ssfusion_dense", 0, 520), row("ssfusion", 0, 520, grad), row("ssfusion", 0, 530, grad, rep=1),
+            row("ssfusion_dgc", 0, 530, 2 * grad), {**row("zen", 0, 1), "error": "boom"}]
+    summary = {r["scheme"]: r for r in bench_memory.summarize(runs)}
+    assert list(summary) == ["ddp", "ssfusion_dense", "ssfusion", "ssfusion_dgc"]  # the failed run is left out
+    assert summary["ddp"]["peak"] == pytest.approx(505 * bench_memory.MiB)  # rank 0's median over the repeats
+    assert summary["ddp"]["peak_max_rank"] == pytest.approx(705 * bench_memory.MiB)
+    assert summary["ssfusion"]["extra_x_grad"] == pytest.approx(2.0) and not summary["ssfusion"]["met"]
+    assert summary["ssfusion"]["state_x_grad"] == pytest.approx(1.0)
+    assert summary["ssfusion_dgc"]["extra_x_grad"] == pytest.approx(2.5) and not summary["ssfusion_dgc"]["met"]
+    assert summary["ssfusion_dgc"]["target"] == "extra <= 2.3 x grad"
+    assert summary["ssfusion_dense"]["target_value"] == pytest.approx(520 / 505) and summary["ssfusion_dense"]["met"]
+    assert summary["ddp"]["met"] is None
+    table = bench_memory.markdown(list(summary.values()), runs)
+    assert "| mlp12m | ssfusion | 525.0 | +20.0 | +2.00 | +0.00 | 1.00 | extra <= 1.15 x grad | **no** |" in table
+    assert "Failed runs (left out): mlp12m/zen." in table
+
+
+def test_bench_memory_measures_two_tiny_runs_on_two_ranks(tmp_path):
+    from experiments import bench_memory
+
+    argv = ["--workloads", "mlp_tiny", "--schemes", "ddp", "ssfusion", "--steps", "3", "--repeats", "1",
+            "--out", str(tmp_path), "--no-report", "--no-retry", "--timeout", "120"]
+    assert bench_memory.main(argv) == 0
+    with (tmp_path / "memory_runs.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == bench_memory.RUN_FIELDS
+        runs = list(reader)
+    assert sorted((r["scheme"], r["rank"]) for r in runs) == [("ddp", "0"), ("ddp", "1"), ("ssfusion", "0"), ("ssfusion", "1")]
+    for r in runs:
+        assert not r["error"], r["error"]
+        assert int(r["grad_bytes"]) == 4 * int(r["params"]) > 0
+        assert int(r["peak_rss_bytes"]) >= int(r["baseline_rss_bytes"]) > 0
+        assert int(r["train_start_rss_bytes"]) > 0 and int(r["end_rss_bytes"]) > 0
+        # the residual memory holds at most one gradient (dense-sent tensors keep none); DDP none
+        assert (0 < int(r["state_bytes"]) <= int(r["grad_bytes"])) if r["scheme"] == "ssfusion" else r["state_bytes"] == "0"
+    with (tmp_path / "memory.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == bench_memory.SUMMARY_FIELDS
+        summary = {r["scheme"]: r for r in reader}
+    assert float(summary["ddp"]["peak_mb"]) > 0 and float(summary["ssfusion"]["peak_mb"]) > 0
+    assert summary["ssfusion"]["target"] == "extra <= 1.15 x grad" and summary["ssfusion"]["met"] in ("yes", "no")
+    for name in ("memory.md", "memory.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+
+@pytest.mark.skipif(not (RESULTS / "memory_runs.csv").exists(), reason="no committed memory results")
+@pytest.mark.parametrize("stem", ["memory", "memory_mmap"])
+def test_report_memory_tables_come_from_the_committed_csvs(stem):
+    from experiments import bench_memory
+
+    if not (RESULTS / f"{stem}_runs.csv").exists():
+        pytest.skip(f"no committed {stem} results")
+    runs = bench_e2e.read_csv(RESULTS / f"{stem}_runs.csv")
+    table = bench_memory.markdown(bench_memory.summarize(runs), runs)
+    assert bench_e2e.report_section(stem.replace("_", "-")) == table.strip()
+    assert (RESULTS / f"{stem}.md").read_text().endswith(table)
