@@ -249,7 +249,8 @@ class DGCMemory(Memory):
         # round flushed it (or this is the first round)
         if loss_scale is None:
             new_momentum = momentum * self.momentum + grad
-            return new_momentum if velocity is None else velocity + new_momentum
+            # in place on the one temporary: new_momentum + velocity == velocity + new_momentum exactly
+            return new_momentum if velocity is None else new_momentum.add_(velocity)
         new_momentum = _scaled(momentum, loss_scale).mul_(self.momentum).add_(grad)
         return new_momentum if velocity is None else _scaled(velocity, loss_scale).add_(new_momentum)
 
