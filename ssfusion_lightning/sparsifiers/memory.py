@@ -248,8 +248,9 @@ class DGCMemory(Memory):
         # the contiguous state comes first, so the results take its layout; no velocity: a dense
         # round flushed it (or this is the first round)
         if loss_scale is None:
-            new_momentum = momentum * self.momentum + grad
-            # in place on the one temporary: new_momentum + velocity == velocity + new_momentum exactly
+            # one temporary, built in place (the commit's order of operations, so the same bits);
+            # new_momentum + velocity == velocity + new_momentum exactly
+            new_momentum = (momentum * self.momentum).add_(grad)
             return new_momentum if velocity is None else new_momentum.add_(velocity)
         new_momentum = _scaled(momentum, loss_scale).mul_(self.momentum).add_(grad)
         return new_momentum if velocity is None else _scaled(velocity, loss_scale).add_(new_momentum)
