@@ -299,14 +299,14 @@ class FlatBatch:
         keys = self.mag_np[self.found].view(np.int32).astype(np.int64)
         keys |= np.repeat(np.arange(len(lay.numels), dtype=np.int64) << 32, counts)
         floors = np.arange(len(lay.numels), dtype=np.int64) << 32  # keep every candidate
-        items_a = np.asarray(items)
-        floors[rank_of[items_a]] = np.sort(keys)[self.last[items_a] - np.asarray(ks)]
+        items_a, ks_a = np.asarray(items), np.asarray(ks)
+        floors[rank_of[items_a]] = np.sort(keys)[self.last[items_a] - ks_a]
         keep = self._keep()
         keep &= keys >= np.repeat(floors, counts)
         kept = np.concatenate([[0], np.cumsum(keep)])
-        for i, k in zip(items, ks):
-            if kept[self.last[i]] - kept[self.first[i]] != k:
-                self._trim_one(i, k)
+        tied = (kept[self.last[items_a]] - kept[self.first[items_a]]) != ks_a
+        for i, k in zip(items_a[tied].tolist(), ks_a[tied].tolist()):
+            self._trim_one(i, k)
 
     def _trim_one(self, i: int, k: int) -> None:
         a, b = int(self.first[i]), int(self.last[i])
