@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -36,6 +37,12 @@ def keep_all(flat: Tensor) -> tuple[Tensor, Tensor]:
     """The whole (flat) tensor as a selection: what every sparsifier returns when k >= numel."""
     indices = torch.arange(flat.numel(), device=flat.device)
     return flat.index_select(0, indices), indices
+
+
+def check_many(tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int | None]) -> None:
+    """``select_many``'s arguments: one key and one k per tensor."""
+    if not len(tensors) == len(keys) == len(ks):
+        raise ValueError(f"select_many needs one key and one k per tensor, got {len(tensors)}, {len(keys)}, {len(ks)}")
 
 
 def validate_density(density: float) -> float:
@@ -106,6 +113,20 @@ class Sparsifier(ABC):
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
         """Return (values, int64 flat indices) of the selected elements."""
 
+    def select_many(
+        self, tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int | None]
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``[self.select(t, key=key, k=k) for t, key, k in zip(tensors, keys, ks)]``: the same
+        values and the same index sets (the order of indices within a tensor may differ).
+
+        Meant for the tensors of one fusion buffer, selected in one go. This default is that
+        loop, in order, so a stateful sparsifier sees the same calls; sparsifiers whose
+        selection batches (``topk``, ``dgc``, ``gaussiank``, ``sidco``) override it with a few
+        whole-buffer passes (see ``batched``).
+        """
+        check_many(tensors, keys, ks)
+        return [self.select(tensor, key=key, k=k) for tensor, key, k in zip(tensors, keys, ks)]
+
     def advance(self) -> None:
         """Called once per communication round, after every tensor of the round was selected."""
         self.step += 1
@@ -125,6 +146,11 @@ class ThresholdSparsifier(Sparsifier):
     """
 
     exact_k = False
+
+    def band(self, k: int) -> tuple[float, float, float]:
+        """(low, high, cap) for budget k: the threshold search stops at a count in [low, high],
+        and a selection above cap is trimmed to k."""
+        raise NotImplementedError(f"{type(self).__name__} has no threshold search band")
 
     def finish(self, flat: Tensor, indices: Tensor, k: int, cap: float) -> tuple[Tensor, Tensor]:
         if indices.numel() > cap:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from ssfusion_lightning.sparsifiers import batched
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, stable_hash
 from ssfusion_lightning.sparsifiers.selection import Candidates, kth_largest, sample_magnitudes, search_threshold
 
@@ -28,6 +33,10 @@ class DGCSparsifier(ThresholdSparsifier):
 
     Count band: (0.8, 1.0) x k -- never more than k; fewer than 0.8k only when ``max_adjust``
     rounds did not suffice (ties, e.g. mostly-zero tensors), and always at least one element.
+
+    ``select_many`` draws the samples of all the tensors of a buffer (the same positions as
+    ``select``) into one batch, ranks them together and makes the first count of every tensor in
+    one pass; only tensors whose count leaves the band search on their own.
     """
 
     name = "dgc"
@@ -52,11 +61,20 @@ class DGCSparsifier(ThresholdSparsifier):
         self.min_sample = min_sample
         self.max_adjust = max_adjust
 
+    def sample_size(self, n: int) -> int:
+        return sample_size(n, self.min_sample, self.sample_ratio)
+
+    def sample_offset(self, key: str) -> int:
+        return stable_hash(f"dgc:{self.step}:{key}")
+
     def sample_threshold(self, flat: Tensor, k: int, key: str) -> float:
         n = flat.numel()
-        size = min(n, max(self.min_sample, math.ceil(self.sample_ratio * n)))
-        sample = sample_magnitudes(flat, size, offset=stable_hash(f"dgc:{self.step}:{key}"))
+        size = self.sample_size(n)
+        sample = sample_magnitudes(flat, size, offset=self.sample_offset(key))
         return kth_largest(sample, math.ceil(k * size / n))
+
+    def band(self, k: int) -> tuple[float, float, float]:
+        return 0.8 * k, 1.25 * k, k
 
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
         flat = tensor.reshape(-1)
@@ -66,5 +84,76 @@ class DGCSparsifier(ThresholdSparsifier):
             return flat.index_select(0, indices), indices
         candidates = Candidates(flat)
         threshold = self.sample_threshold(flat, k, key)
-        threshold, _ = search_threshold(candidates, threshold, 0.8 * k, 1.25 * k, self.max_adjust)
-        return self.finish(flat, candidates.select(threshold), k, k)
+        low, high, cap = self.band(k)
+        threshold, _ = search_threshold(candidates, threshold, low, high, self.max_adjust)
+        return self.finish(flat, candidates.select(threshold), k, cap)
+
+    def select_many(
+        self, tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int | None]
+    ) -> list[tuple[Tensor, Tensor]]:
+        return batched.select_many(self, tensors, keys, ks, self._select_batch)
+
+    def _select_batch(
+        self, batch: batched.FlatBatch, tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int]
+    ) -> None:
+        plan = _sample_plan(batch.layout.numels, tuple(ks), self.min_sample, self.sample_ratio)
+        rows = list(plan.whole)
+        for members, base, pad, ranks in plan.drawn:
+            # this step's positions: (j * step + offset) mod n, as sample_positions draws them
+            offsets = np.array([self.sample_offset(keys[i]) for i in members], dtype=np.int64)
+            numels = batch.layout.sizes[members][:, None]
+            index = (base + offsets[:, None] % numels) % numels + batch.layout.starts[members][:, None]
+            index[pad] = batch.sentinel
+            rows.append((index, ranks))
+        thresholds = np.empty(len(ks))
+        thresholds[list(plan.row_of)] = batch.kth_largest(rows)
+        batched.settle(self, batch, tensors, ks, thresholds.tolist(), self.max_adjust)
+
+
+def sample_size(n: int, min_sample: int, ratio: float) -> int:
+    return min(n, max(min_sample, math.ceil(ratio * n)))
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """Where ``DGCSparsifier.select_many`` samples a batch (cached per numels, ks and options).
+
+    ``whole``: index rows of the tensors sampled whole, grouped by width. ``drawn``: for the
+    others, per width class, (batch indices, offset-free positions (j * step) mod n, padding
+    mask, ranks); a call adds its step's offsets."""
+
+    whole: list[tuple[np.ndarray, np.ndarray]]
+    drawn: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    #: batch index of each threshold ``kth_largest`` returns (whole rows, then drawn rows)
+    row_of: tuple[int, ...]
+
+
+@lru_cache(maxsize=256)
+def _sample_plan(numels: tuple[int, ...], ks: tuple[int, ...], min_sample: int, ratio: float) -> SamplePlan:
+    layout = batched.layout_of(numels)
+    whole, whole_ranks, whole_of, drawn, drawn_ranks, drawn_of = [], [], [], [], [], []
+    for i, (n, k) in enumerate(zip(numels, ks)):
+        size = sample_size(n, min_sample, ratio)
+        rank = max(1, min(math.ceil(k * size / n), size))  # as kth_largest clamps it
+        if size >= n:
+            start = int(layout.starts[i])
+            whole.append(np.arange(start, start + n, dtype=np.int64))
+            whole_ranks.append(rank)
+            whole_of.append(i)
+        else:
+            drawn.append(batched.weyl_positions(n, size))
+            drawn_ranks.append(rank)
+            drawn_of.append(i)
+    classes = []
+    drawn_order = batched.class_order([len(r) for r in drawn])
+    position = 0
+    for base, ranks in batched.group_rows(drawn, drawn_ranks, -1):
+        members = np.asarray([drawn_of[r] for r in drawn_order[position : position + len(ranks)]])
+        position += len(ranks)
+        classes.append((members, base, base < 0, ranks))
+    whole_order = batched.class_order([len(r) for r in whole])
+    return SamplePlan(
+        batched.group_rows(whole, whole_ranks, layout.total),
+        classes,
+        tuple(whole_of[r] for r in whole_order) + tuple(drawn_of[r] for r in drawn_order),
+    )

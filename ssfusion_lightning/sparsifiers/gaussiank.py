@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from statistics import NormalDist
 from typing import Any
 
 from torch import Tensor
 
+from ssfusion_lightning.sparsifiers import batched
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, keep_all
 from ssfusion_lightning.sparsifiers.selection import Candidates, mean_std, search_threshold
 
@@ -42,14 +44,34 @@ class GaussianKSparsifier(ThresholdSparsifier):
             raise ValueError(f"max_adjust must be an integer >= 0, got {max_adjust!r}")
         self.max_adjust = max_adjust
 
+    def first_threshold(self, flat: Tensor, k: int) -> float:
+        mean, std = mean_std(flat)
+        return abs(mean) + two_sided_z(k / flat.numel()) * std
+
+    def band(self, k: int) -> tuple[float, float, float]:
+        return 2 * k / 3, 4 * k / 3, 4 * k / 3
+
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
         flat = tensor.reshape(-1)
         n = flat.numel()
         k = self.resolve_k(n, k)
         if k >= n:
             return keep_all(flat)
-        mean, std = mean_std(flat)
-        threshold = abs(mean) + two_sided_z(k / n) * std
+        threshold = self.first_threshold(flat, k)
         candidates = Candidates(flat)
-        threshold, _ = search_threshold(candidates, threshold, 2 * k / 3, 4 * k / 3, self.max_adjust)
-        return self.finish(flat, candidates.select(threshold), k, 4 * k / 3)
+        low, high, cap = self.band(k)
+        threshold, _ = search_threshold(candidates, threshold, low, high, self.max_adjust)
+        return self.finish(flat, candidates.select(threshold), k, cap)
+
+    def select_many(
+        self, tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int | None]
+    ) -> list[tuple[Tensor, Tensor]]:
+        """The fits stay per tensor (two reductions each); the first count and the selection of
+        every tensor whose count lands in the band come from one batched pass."""
+        return batched.select_many(self, tensors, keys, ks, self._select_batch)
+
+    def _select_batch(
+        self, batch: batched.FlatBatch, tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int]
+    ) -> None:
+        thresholds = [self.first_threshold(t.reshape(-1), k) for t, k in zip(tensors, ks)]
+        batched.settle(self, batch, tensors, ks, thresholds, self.max_adjust)

@@ -138,7 +138,7 @@ def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
 
 # --------------------------------------------------------------------------- sampling
 @lru_cache(maxsize=4096)
-def _weyl_step(n: int) -> int:
+def weyl_step(n: int) -> int:
     """A step near n / golden ratio that is coprime with n: j * step mod n visits distinct, well spread positions."""
     step = max(1, int(round(n * 0.6180339887498949)))
     while math.gcd(step, n) != 1:
@@ -155,7 +155,7 @@ def sample_positions(n: int, size: int, device: torch.device, offset: int = 0) -
     size = min(size, n)
     if size >= n:
         return torch.arange(n, device=device)
-    step = _weyl_step(n)
+    step = weyl_step(n)
     positions = torch.arange(size, dtype=torch.int64, device=device)
     return positions.mul_(step).add_(offset % n).remainder_(n)
 
@@ -231,6 +231,16 @@ class Candidates:
         self.indices: Tensor | None = None
         self.magnitudes: Tensor | None = None
         self.full_passes = 0
+
+    @classmethod
+    def known(cls, flat: Tensor, threshold: float, indices: Tensor) -> Candidates:
+        """Candidates whose set at ``threshold`` (> 0) was found elsewhere: ``indices`` are the sorted
+        positions with ``|x| >= threshold``, e.g. from a batched pass over many tensors."""
+        candidates = cls(flat)
+        candidates.threshold = threshold
+        candidates.indices = indices
+        candidates.magnitudes = flat.index_select(0, indices).abs()
+        return candidates
 
     def _covers(self, threshold: float) -> bool:
         if self.threshold is None:

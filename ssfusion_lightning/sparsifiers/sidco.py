@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ssfusion_lightning.sparsifiers import batched
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, keep_all, stable_hash
 from ssfusion_lightning.sparsifiers.selection import Candidates, as_float, sample_magnitudes, search_threshold
 
@@ -149,5 +151,22 @@ class SIDCoSparsifier(ThresholdSparsifier):
             return keep_all(flat)
         candidates = Candidates(flat)
         threshold = self.fit_threshold(flat, k / n, key)
-        threshold, _ = search_threshold(candidates, threshold, 2 * k / 3, 4 * k / 3, self.max_adjust)
-        return self.finish(flat, candidates.select(threshold), k, 4 * k / 3)
+        low, high, cap = self.band(k)
+        threshold, _ = search_threshold(candidates, threshold, low, high, self.max_adjust)
+        return self.finish(flat, candidates.select(threshold), k, cap)
+
+    def band(self, k: int) -> tuple[float, float, float]:
+        return 2 * k / 3, 4 * k / 3, 4 * k / 3
+
+    def select_many(
+        self, tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int | None]
+    ) -> list[tuple[Tensor, Tensor]]:
+        """The fits stay per tensor (on their samples); the first count and the selection of
+        every tensor whose count lands in the band come from one batched pass."""
+        return batched.select_many(self, tensors, keys, ks, self._select_batch)
+
+    def _select_batch(
+        self, batch: batched.FlatBatch, tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int]
+    ) -> None:
+        thresholds = [self.fit_threshold(t.reshape(-1), k / t.numel(), key) for t, key, k in zip(tensors, keys, ks)]
+        batched.settle(self, batch, tensors, ks, thresholds, self.max_adjust)

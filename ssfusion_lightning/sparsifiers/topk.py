@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
 
+from ssfusion_lightning.sparsifiers import batched
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, Sparsifier
 from ssfusion_lightning.sparsifiers.selection import topk_indices
 
@@ -17,7 +19,8 @@ class TopKSparsifier(Sparsifier):
     Large tensors go through a pre-filter: a sample bounds the k-th magnitude from below, one
     pass keeps the candidates above the bound, and ``torch.topk`` runs on the candidates only;
     if the bound fails the whole tensor goes to ``torch.topk``. Same selection as
-    ``torch.topk(tensor.abs(), k)`` up to ties.
+    ``torch.topk(tensor.abs(), k)`` up to ties. ``select_many`` does the same for the tensors of
+    a buffer in a few whole-buffer passes (``batched.exact_topk``).
     """
 
     name = "topk"
@@ -29,3 +32,8 @@ class TopKSparsifier(Sparsifier):
         flat = tensor.reshape(-1)
         indices = topk_indices(flat, self.resolve_k(flat.numel(), k))
         return flat.index_select(0, indices), indices
+
+    def select_many(
+        self, tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int | None]
+    ) -> list[tuple[Tensor, Tensor]]:
+        return batched.select_many(self, tensors, keys, ks, batched.exact_topk)
