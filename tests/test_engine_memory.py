@@ -139,7 +139,8 @@ class Probe(L.Callback):
         self.facts = {
             "formula": formula_bytes(engine),
             "selection": selection_bytes(engine),
-            "sparse_numel": engine.plan.sparse_numel,
+            # ZEN keeps one partition per distinct buffer size (buffers of one size share it)
+            "zen_numel": sum({b.sparse_numel for b in engine.plan.buffers}),
             "largest": max(p.numel() for p in engine.params),
         }
 
@@ -157,7 +158,7 @@ def memory_run(config: dict, steps: int = 7):
         **probe.facts,
         "persistent": probe.persistent[-1],
         "in_flight": probe.in_flight[-1],
-        "zen": (zen_bytes, probe.facts["sparse_numel"] * 4 if config.get("comm") == "zen" else 0),
+        "zen": (zen_bytes, probe.facts["zen_numel"] * 4 if config.get("comm") == "zen" else 0),
         "scratch": sum(t.untyped_storage().nbytes() for pair in scratch.values() for t in pair),
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,7 +49,9 @@ class TwoBranch(nn.Module):
         return self.c(torch.relu(ya) + torch.relu(yb))
 
 
-def make_engine(model: nn.Module, fusion: str, sparsifier: str = "topk", density: float = 0.1, comm=None):
+def make_engine(
+    model: nn.Module, fusion: str, sparsifier: str = "topk", density: float = 0.1, comm=None, profile_steps: int = 3
+):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return FusionEngine(
         named,
@@ -57,7 +60,7 @@ def make_engine(model: nn.Module, fusion: str, sparsifier: str = "topk", density
         FUSION_POLICIES.build(fusion),
         comm or RecordingAllgather(),
         ChannelSet([dist.new_group(backend="gloo"), dist.new_group(backend="gloo")], torch.device("cpu")),
-        EngineConfig(buffer_bytes=600),
+        EngineConfig(buffer_bytes=600, profile_steps=profile_steps),
     )
 
 
@@ -159,3 +162,47 @@ def test_topk_training_keeps_ranks_identical_and_learns(pool2):
         assert identical
         first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
         assert last < 0.7 * first, (first, last)
+
+
+def batched_against_per_tensor(fusion: str, sparsifier: str, steps: int = 6):
+    """The same training with small tensors selected in one batch per buffer and with every tensor
+    selected in its hook: what each rank sends and the parameters it ends with."""
+    from ssfusion_lightning.engine import engine as engine_module
+
+    results = {}
+    for batch_below in (1 << 16, 0):
+        engine_module.BATCH_BELOW = batch_below
+        try:
+            torch.manual_seed(0)
+            model = TwoBranch().double()
+            # costs are never agreed in these steps: both runs keep the same plan, whatever the timings
+            engine = make_engine(model, fusion, sparsifier=sparsifier, density=0.2, profile_steps=100)
+            engine.attach()
+            torch.manual_seed(100 + dist.get_rank())
+            sent = []
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                engine.communicator.sent.clear()
+                model(torch.randn(4, 6, dtype=torch.float64), reverse=False).pow(2).sum().backward()
+                engine.finish()
+                for buffer, values, indices in engine.communicator.sent:
+                    order = torch.argsort(indices)
+                    sent.append((buffer.index, values[order], indices[order]))
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+            engine.close()
+            results[batch_below] = (sent, [p.detach().clone() for p in model.parameters()])
+        finally:
+            engine_module.BATCH_BELOW = 1 << 16
+    return results
+
+
+@pytest.mark.parametrize("fusion, sparsifier", [("ahead", "topk"), ("aligned", "dgc"), ("selective", "gaussiank")])
+def test_batched_selection_in_the_engine_sends_what_per_tensor_selection_sends(pool2, fusion, sparsifier):
+    for results in pool2.run(batched_against_per_tensor, fusion, sparsifier):
+        (batched_sent, batched_params), (hooked_sent, hooked_params) = results[1 << 16], results[0]
+        assert len(batched_sent) == len(hooked_sent) > 0
+        for (b1, v1, i1), (b2, v2, i2) in zip(batched_sent, hooked_sent):
+            assert b1 == b2 and torch.equal(i1, i2) and torch.equal(v1, v2)
+        assert all(torch.equal(a, b) for a, b in zip(batched_params, hooked_params))

@@ -6,8 +6,10 @@ calls ``finish`` after every backward and toggles ``sync_enabled`` for gradient 
 In the hook of each parameter, as its gradient becomes ready, a per-tensor policy compensates
 and selects that tensor right away (or scales it into the dense part), on this thread or on the
 offload worker as the plan decided: compression hides behind the rest of the backward. When a
-buffer is complete and every earlier one has launched, its pieces are packed in slot order and
-launched. Whole-buffer policies (``behind``) compress the complete buffer instead.
+buffer is complete and every earlier one has launched, its small sparse tensors (below
+``BATCH_BELOW`` elements, whose selection costs mostly its fixed overhead) are selected together
+in one batched call, then its pieces are packed in slot order and launched. Whole-buffer policies
+(``behind``) compress the complete buffer instead.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class EngineConfig:
 
 
 NONFINITE_POLICIES = ("raise", "skip")
+#: sparse tensors below this many elements are selected together when their buffer is complete
+#: (one batched selection, ``Sparsifier.select_many``): a selection's fixed cost dominates theirs,
+#: while a larger tensor's selection pays for itself in its hook, hidden behind the backward
+BATCH_BELOW = 1 << 16
 
 def dense_version(plan: Plan) -> Plan:
     """The same buffers with every tensor sent dense (warm-up steps)."""
@@ -311,7 +317,7 @@ class FusionEngine:
         if self.profiling:
             self._profiler.ready(self.names[position])
         buffer_index, slot_index = self._slot_of[position]
-        if self.policy.per_tensor and position not in self._coo:
+        if self.policy.per_tensor and position not in self._coo and not self._batched(self._buffers[buffer_index].slots[slot_index]):
             self._compress_slot(self._buffers[buffer_index], slot_index)
             if self.profiling:
                 self._profiler.resume()  # main-thread compression is not backward time
@@ -391,13 +397,38 @@ class FusionEngine:
         elif not self.policy.per_tensor:
             self._launch_whole(buffer)
         else:
-            for j, piece in enumerate(self._pieces[buffer.index]):
-                if piece is None:  # no gradient on this rank: it sends zeros, so every rank issues alike
-                    self._compress_slot(buffer, j)
+            self._compress_rest(buffer)
             if self.offloader is None:
                 self._pending.append(self._pack_and_launch(buffer))
             else:  # behind the buffer's offloaded pieces, and launches keep plan order on the channels
                 self._pending.append(self.offloader.submit(self._pack_and_launch, buffer))
+
+    def _batched(self, slot: Slot) -> bool:
+        """Whether a tensor waits for its buffer's batched selection instead of its own in the hook."""
+        return slot.sparse and slot.numel < BATCH_BELOW and slot.param not in self._offloaded
+
+    def _compress_rest(self, buffer: Buffer) -> None:
+        """The buffer's pieces not made in the hooks: its small sparse tensors, in one batched
+        selection, and those with no gradient on this rank (they send zeros, so every rank issues
+        alike)."""
+        pieces, batch = self._pieces[buffer.index], []
+        for j, slot in enumerate(buffer.slots):
+            if pieces[j] is None:
+                if self._batched(slot) and self._grad(slot.param) is not None:
+                    batch.append(j)
+                else:
+                    self._compress_slot(buffer, j)
+        if not batch:
+            return
+        slots = [buffer.slots[j] for j in batch]
+        grads = [self._grad(slot.param) for slot in slots]
+        ctx = self._context(buffer)
+        started = time.perf_counter()
+        with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
+            self._finite.append(all_finite(grads))
+            for j, piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
+                pieces[j] = piece
+        self.metrics.compress_seconds += time.perf_counter() - started
 
     def _pack_and_launch(self, buffer: Buffer):
         """Runs after every piece of the buffer: the worker is FIFO, so offloaded pieces are done."""

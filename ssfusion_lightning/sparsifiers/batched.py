@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.sparsifiers.base import check_many
-from ssfusion_lightning.sparsifiers.selection import Candidates, search_threshold, weyl_step
+from ssfusion_lightning.sparsifiers.selection import Candidates, search_threshold, topk_positions, weyl_step
 
 if TYPE_CHECKING:
     from ssfusion_lightning.sparsifiers.base import Sparsifier, ThresholdSparsifier
@@ -312,9 +312,9 @@ class FlatBatch:
         a, b = int(self.first[i]), int(self.last[i])
         if self.cpu:
             magnitudes = self.mag_np[self.found[a:b]]
-            chosen = np.argpartition(magnitudes, b - a - k)[b - a - k :]
+            chosen = lowest_ties_np(magnitudes, np.argpartition(magnitudes, b - a - k)[b - a - k :], k)
         else:
-            chosen = torch.topk(self.mag[self.found[a:b]], k, sorted=False).indices
+            chosen = topk_positions(self.mag[self.found[a:b]], k)
         keep = self._keep()
         keep[a:b] = False
         keep[chosen + a] = True
@@ -328,9 +328,10 @@ class FlatBatch:
         """Exact top-k of all of tensor i's elements (the fallback of a failed bound)."""
         a, b = self.bounds(i)
         if self.cpu:
-            chosen = torch.from_numpy(np.argpartition(self.mag_np[a:b], b - a - k)[b - a - k :])
+            magnitudes = self.mag_np[a:b]
+            chosen = torch.from_numpy(lowest_ties_np(magnitudes, np.argpartition(magnitudes, b - a - k)[b - a - k :], k))
         else:
-            chosen = torch.topk(self.mag[a:b], k, sorted=False).indices
+            chosen = topk_positions(self.mag[a:b], k)
         return self.signed[a:b].index_select(0, chosen), chosen
 
     # ----------------------------------------------------------------------- output
@@ -362,6 +363,19 @@ class FlatBatch:
 
 # --------------------------------------------------------------------------- driver
 Kernel = Callable[[FlatBatch, Sequence[Tensor], Sequence[str], Sequence[int]], None]
+
+
+def lowest_ties_np(magnitudes: np.ndarray, chosen: np.ndarray, k: int) -> np.ndarray:
+    """``selection.lowest_ties`` on the numpy path: equal magnitudes at the cut go to the lowest positions."""
+    values = magnitudes[chosen]
+    cut = values.min()
+    if not np.isfinite(cut):
+        return chosen
+    above = chosen[values > cut]
+    ties = np.flatnonzero(magnitudes == cut)
+    if len(above) + len(ties) == k:
+        return chosen
+    return np.concatenate([above, ties[: k - len(above)]])
 
 
 def select_many(

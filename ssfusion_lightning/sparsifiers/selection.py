@@ -176,8 +176,26 @@ def kth_largest(values: Tensor, rank: int) -> float:
 
 # --------------------------------------------------------------------------- exact top-k
 def topk_positions(magnitudes: Tensor, k: int) -> Tensor:
-    """Positions of the k largest entries of a small 1-D magnitude tensor (plain torch.topk)."""
-    return torch.topk(magnitudes, k, sorted=False).indices
+    """Positions of the k largest entries of a small 1-D magnitude tensor (torch.topk), with ties
+    at the cut settled canonically (``lowest_ties``)."""
+    top = torch.topk(magnitudes, k, sorted=False)
+    return lowest_ties(magnitudes, top.values, top.indices, k)
+
+
+def lowest_ties(magnitudes: Tensor, values: Tensor, positions: Tensor, k: int) -> Tensor:
+    """A top-k (``values`` = ``magnitudes[positions]``) whose equal magnitudes at the cut are the
+    lowest positions: torch.topk picks any of them, and two paths that select the same tensor
+    (in its hook or in a buffer's batch, on any thread) must send the same elements, or the
+    residuals, and with them the training, diverge. Embedding rows of a token used twice in a
+    sample are exactly equal, so such ties are common."""
+    cut = values.min()
+    if not bool(torch.isfinite(cut)):
+        return positions  # non-finite input is refused by error feedback anyway
+    above = positions[values > cut]
+    ties = (magnitudes == cut).nonzero().view(-1)
+    if above.numel() + ties.numel() == k:
+        return positions  # nothing was left out at the cut: the choice is already the only one
+    return torch.cat([above, ties[: k - above.numel()]])
 
 
 def topk_indices(flat: Tensor, k: int, offset: int = 0) -> Tensor:
