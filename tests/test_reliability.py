@@ -117,8 +117,62 @@ def test_the_vote_rides_in_the_last_dense_part_when_there_is_one(pool2, policy):
         (o0, (p0, finite0, skipped0, _)), (o1, (p1, finite1, skipped1, _)) = [outcome for outcome, _ in results]
         assert o0 == o1 == "finished" and finite0 and finite1 and skipped0 == skipped1 == 1
         assert torch.equal(p0, p1)
-    all_sparse = pool2.run(counted_vote_rounds, "skip", SPARSE)
-    assert all(rounds == 6 for _, rounds in all_sparse), [rounds for _, rounds in all_sparse]
+    # ahead (all sparse): the vote rides in the last buffer's sparse exchange instead (see below);
+    # behind with whole buffers offloaded keeps its round: an earlier buffer's check may finish
+    # on the worker after the last buffer is packed on the main thread
+    whole_offloaded = dict(sparsifier="topk", density=0.05, fusion="behind", comm="hybrid", offload="thread")
+    rounds = [rounds for _, rounds in pool2.run(counted_vote_rounds, "skip", whole_offloaded)]
+    assert rounds == [6, 6], rounds
+    # per-tensor selections offloaded: the last buffer is packed on the worker behind all of them
+    offloaded = pool2.run(counted_vote_rounds, "skip", dict(SELECTIVE, offload="thread"), 4)
+    assert [rounds for _, rounds in offloaded] == [0, 0]
+    assert all(outcome == "finished" and result[2] == 1 for (outcome, result), _ in offloaded)
+
+
+#: configurations whose vote rides in the last buffer's sparse exchange, one per way it rides;
+#: fixed buffers (2 KB: three of them), so that both runs compared below plan alike
+RIDES_IN_SPARSE = {
+    name: dict(options, buffer_mb=0.002)
+    for name, options in {
+        "allgather header": SPARSE,
+        "aligned allgather header": dict(SPARSE, sparsifier="dgc", fusion="aligned", comm="allgather"),
+        "shared-position values": dict(SPARSE, sparsifier="randomk"),
+        "zen push counts": dict(SPARSE, comm="zen", comm_options={"choice": "zen"}),
+        "sparcml header": dict(SPARSE, comm="zen", comm_options={"choice": "sparcml"}),
+        "oktopk counts": dict(sparsifier="threshold_reuse", density=0.05, fusion="behind", comm="oktopk", offload="none"),
+        "offloaded per tensor": dict(SPARSE, offload="thread"),
+    }.items()
+}
+
+
+def vote_in_own_round(policy: str, options: dict):
+    """counted_vote_rounds with no communicator carrying the vote: the round it takes otherwise."""
+    from ssfusion_lightning.comm.collectives import SchemeCommunicator
+
+    original = SchemeCommunicator.carries_votes
+    SchemeCommunicator.carries_votes = lambda self, buffer: False
+    try:
+        return counted_vote_rounds(policy, options)
+    finally:
+        SchemeCommunicator.carries_votes = original
+
+
+@pytest.mark.parametrize("name", list(RIDES_IN_SPARSE))
+def test_the_vote_rides_in_the_last_sparse_exchange(pool2, name):
+    """With no dense part to ride in, the vote rides in a message of the last buffer's sparse
+    exchange that reaches every rank from every rank: no round of its own, step 2 still stopped
+    or dropped on every rank, and the trained parameters bitwise those of the vote's own round."""
+    options = RIDES_IN_SPARSE[name]
+    raised = pool2.run(counted_vote_rounds, "raise", options)
+    assert [rounds for _, rounds in raised] == [0, 0]
+    assert all(outcome == "raised" and "step 2 on rank(s) [1]" in detail for (outcome, detail), _ in raised), raised
+    riding = pool2.run(counted_vote_rounds, "skip", options)
+    own_round = pool2.run(vote_in_own_round, "skip", options)
+    assert [rounds for _, rounds in riding] == [0, 0] and [rounds for _, rounds in own_round] == [6, 6]
+    for ((o0, (p0, finite0, skipped0, _)), _), ((o1, (p1, _, skipped1, _)), _) in zip(riding, own_round):
+        assert o0 == o1 == "finished" and finite0 and skipped0 == skipped1 == 1
+        assert torch.equal(p0, p1)
+    assert torch.equal(riding[0][0][1][0], riding[1][0][1][0])
 
 
 def mismatched_density_run():

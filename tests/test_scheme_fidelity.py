@@ -350,6 +350,16 @@ def test_zen_chooses_from_the_alpha_beta_model_at_hand_computed_points():
     assert zen_or_sparcml(64, n, 10, 640, 4, Link(alpha=1e-3, beta=1e-9)) == "zen"
 
 
+def test_zen_counts_one_message_for_sparcml_first_round_when_counts_are_bounded():
+    """P = 4, n = 100,000, k = 10,000, K = 39,000 (nearly disjoint), alpha = 1 ms, beta = 1 ns/B:
+    zen = 4 ms + 3/4 * (80,000 + min(12,500 + 156,000, 312,000)) ns = 4.186 ms; sparcml moves
+    8 * (U(1) + U(2)) = 8 * (11,620 + 21,900) B = 0.268 ms in two doubling rounds: 4 messages
+    (4.268 ms, zen wins), or 3 when a rank's own selection travels with its header (3.268 ms)."""
+    link = Link(alpha=1e-3, beta=1e-9)
+    assert zen_or_sparcml(4, 100_000, 10_000, 39_000, 4, link) == "zen"
+    assert zen_or_sparcml(4, 100_000, 10_000, 39_000, 4, link, bounded=True) == "sparcml"
+
+
 # ----------------------------------------------------------------------------- concurrent process groups
 def concurrent_groups_run():
     """Rank 0 blocks group 0 with an all-reduce that rank 1 joins only after a collective on group 1

@@ -487,3 +487,204 @@ def test_allgather_equal_counts_and_a_violated_bound(pools):
         assert traffic.sent == 2 * 10 * (4 + X)
     with pytest.raises(Exception, match="exceed the announced bound max_count=9"):
         pools[3].run(run_bounded_allgather, inputs, 1000, 9, False)
+
+
+# ----------------------------------------------------------------------------- rounds (issue 14, item 4)
+CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast", "isend", "irecv", "send", "recv")
+
+
+class CountedCalls:
+    """Records, on this rank, every torch.distributed call in CALLS made inside the ``with``."""
+
+    def __enter__(self):
+        self.names, self._originals = [], {name: getattr(dist, name) for name in CALLS}
+        for name, original in self._originals.items():
+            setattr(dist, name, self._wrap(name, original))
+        return self
+
+    def _wrap(self, name, original):
+        def counted(*args, **kwargs):
+            self.names.append(name)
+            return original(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+
+def run_votes(inputs, numel, flags, scheme, max_count):
+    """The scheme without and with votes: (sum, calls, votes) of each."""
+    from ssfusion_lightning.comm.collectives import AllreduceCommunicator, allreduce_shared_positions
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    values, indices = inputs[rank]
+    out = []
+    for carry in (False, True):
+        votes = torch.zeros(world, dtype=torch.uint8)
+        votes[rank] = flags[rank]
+        with CountedCalls() as calls:
+            if scheme == "shared_positions":
+                total = allreduce_shared_positions(values, indices, numel, votes if carry else None, None)[0]
+            elif scheme == "allreduce":
+                job = AllreduceCommunicator()._sparse_job
+                total = job(values, indices, numel, False, max_count, votes if carry else None, None)[0]
+            else:
+                scheme_fn = SPARSE_SCHEMES.get(scheme)
+                total = scheme_fn(values, indices, numel, None, Traffic(), False, max_count, votes if carry else None)
+        out.append((total, calls.names, votes))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize(
+    "scheme, bounded",
+    [("allgather", False), ("allgather", True), ("zen", False), ("sparcml", False), ("sparcml", True),
+     ("shared_positions", False), ("allreduce", False)],
+)  # fmt: skip
+def test_votes_ride_in_every_scheme_without_a_round(pools, world, scheme, bounded):
+    """The non-finite vote rides in a message the scheme sends anyway: every rank gets every
+    rank's flag, the sums are bitwise those without votes, and not one call is added."""
+    numel, k = 5000, 60
+    if scheme == "shared_positions":  # every rank selected the same positions
+        inputs = make_inputs(world, "identical", numel, k, torch.int64, torch.float32, set(), 3)
+    else:
+        inputs = make_inputs(world, "random", numel, k, torch.int64, torch.float32, {world - 1}, 3)
+    for flags in ([0] * world, [1] + [0] * (world - 1), [r % 2 for r in range(world)], [1] * world):
+        results = pools[world].run(run_votes, inputs, numel, flags, scheme, k if bounded else None)
+        expected = dense_sum(inputs, numel).to(torch.float32)
+        for (plain, plain_calls, own), (voted, voted_calls, votes) in results:
+            assert torch.equal(voted, plain) and torch.equal(plain, expected)
+            assert voted_calls == plain_calls, (plain_calls, voted_calls)
+            assert votes.tolist() == flags
+            assert int(own.sum()) <= 1  # without votes, the vector is left as it was
+
+
+def run_oktopk_votes(inputs, numel, k, rounds, flags):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for carry in (False, True):
+        state, rows = OkTopkState(), []
+        for step in range(rounds):
+            values, indices = inputs[step][rank]
+            votes = torch.zeros(world, dtype=torch.uint8)
+            votes[rank] = flags[rank]
+            with CountedCalls() as calls:
+                total, applied = oktopk_reduce(
+                    values, indices, numel, k, None, Traffic(), state, threshold_every=3, votes=votes if carry else None
+                )
+            rows.append((total, applied, calls.names, votes.tolist()))
+        out.append(rows)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_votes_ride_in_oktopk_counts(pools, world):
+    numel, k, rounds = 20_000, 200, 4
+    inputs = [make_inputs(world, "random", numel, k, torch.int64, torch.float32, set(), 70 + s, False) for s in range(rounds)]
+    flags = [0] * (world - 1) + [1]
+    for plain, voted in pools[world].run(run_oktopk_votes, inputs, numel, k, rounds, flags):
+        for (t0, a0, c0, _), (t1, a1, c1, v1) in zip(plain, voted):
+            assert torch.equal(t0, t1) and torch.equal(a0, a1) and c0 == c1
+            assert v1 == flags
+
+
+def run_sparcml_bounded(inputs, numel, bound):
+    rank = dist.get_rank()
+    values, indices = inputs[rank]
+    out = []
+    for max_count in (None, bound):
+        traffic = Traffic()
+        with CountedCalls() as calls:
+            total = SPARSE_SCHEMES.get("sparcml")(values, indices, numel, None, traffic, False, max_count)
+        out.append((total, len(calls.names), traffic))
+    return out
+
+
+@pytest.mark.parametrize("world, saved", [(2, [2, 2]), (3, [2, 1, 1]), (4, [2, 2, 2, 2])])
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16])
+def test_sparcml_sends_a_bounded_selection_with_its_header(pools, world, saved, value_dtype):
+    """With max_count, a rank's own selection (the fold, the first doubling round) goes in one
+    message padded to the bound, its header in front: bitwise the same sums and payload bytes,
+    one isend or irecv fewer per such message (P=3: rank 1 folds into rank 0, rank 2 sends its own
+    selection to rank 0 in the first round, rank 0's merged set needs its header)."""
+    numel, k = 3000, 50
+    inputs = make_inputs(world, "random", numel, k, torch.int64, value_dtype, set(), 9)
+    inputs[0] = (inputs[0][0][:-7], inputs[0][1][:-7])  # a count below the bound: padded
+    reference = dense_sum(inputs, numel).to(value_dtype)
+    vbytes = torch.tensor([], dtype=value_dtype).element_size()
+    for rank, ((plain, plain_calls, plain_traffic), (bounded, calls, traffic)) in enumerate(
+        pools[world].run(run_sparcml_bounded, inputs, numel, k)
+    ):
+        assert torch.equal(bounded, plain) and torch.equal(sparse_view(plain)[0], sparse_view(reference)[0])
+        assert plain_calls - calls == saved[rank]
+        assert (traffic.sent, traffic.received) == (plain_traffic.sent, plain_traffic.received)
+        assert (traffic.sent, traffic.received) == sparcml_bytes(inputs, rank, vbytes, 4)
+        assert traffic.padded_sent >= traffic.sent
+
+
+def test_sparcml_refuses_a_violated_bound(pools):
+    inputs = make_inputs(2, "random", 1000, 10, torch.int64, torch.float32, set(), 5)
+    with pytest.raises(Exception, match="with max_count=9, 10 selected elements"):
+        pools[2].run(run_sparcml_bounded, inputs, 1000, 9)
+
+
+def run_oktopk_kept_counts(inputs, numel, k, rounds, merged):
+    """Ok-Topk rounds; ``merged=False`` drops the grid's per-rank counts, so the kept counts take
+    their own all-gather (the code before the merge)."""
+    import ssfusion_lightning.comm.oktopk as oktopk
+
+    original = oktopk.reuse_threshold
+    if not merged:
+        oktopk.reuse_threshold = lambda *args: original(*args)[:2] + (None,)
+    rank, state, rows = dist.get_rank(), OkTopkState(), []
+    try:
+        for step in range(rounds):
+            values, indices = inputs[step][rank]
+            reused = not (state.exact_next or state.rounds % 4 == 0)
+            with CountedCalls() as calls:
+                total, applied = oktopk_reduce(values, indices, numel, k, None, Traffic(), state, threshold_every=4)
+            rows.append((total, applied, state.threshold, calls.names, reused))
+    finally:
+        oktopk.reuse_threshold = original
+    return rows
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_oktopk_reused_threshold_round_carries_the_kept_counts(pools, world):
+    """A reused threshold is a grid edge, so the grid's counts, all-gathered per rank, are the
+    owners' kept counts: the same outputs on every rank as with their own all-gather, one
+    all-gather fewer per reuse round, and what is applied is exactly |sum| >= threshold."""
+    numel, k, rounds = 30_000, 300, 6
+    inputs = [make_inputs(world, "random", numel, k, torch.int64, torch.float32, set(), 90 + s) for s in range(rounds)]
+    before = pools[world].run(run_oktopk_kept_counts, inputs, numel, k, rounds, False)
+    after = pools[world].run(run_oktopk_kept_counts, inputs, numel, k, rounds, True)
+    for step in range(rounds):
+        total0, applied0, thr0, _, _ = after[0][step]
+        reference = dense_sum(inputs[step], numel).to(torch.float32)  # integer values: exact
+        assert thr0 > 0 and torch.equal(applied0, torch.nonzero(reference.abs() >= thr0).view(-1))
+        for (t_old, a_old, thr_old, calls_old, _), (t_new, a_new, thr_new, calls_new, reused) in zip(
+            (r[step] for r in before), (r[step] for r in after)
+        ):
+            assert torch.equal(t_new, total0) and torch.equal(a_new, applied0) and thr_new == thr0
+            assert torch.equal(t_new, t_old) and torch.equal(a_new, a_old) and thr_new == thr_old
+            assert len(calls_old) - len(calls_new) == (1 if reused else 0)
+            assert calls_old.count("all_gather") - calls_new.count("all_gather") == (1 if reused else 0)
+    assert sum(row[4] for row in after[0]) >= rounds // 2  # most rounds reuse the threshold
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    magnitudes=st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, math.inf, math.nan]), max_size=40),
+    edges=st.lists(st.sampled_from([0.0, 0.25, 1.0, 1.5, 2.5, math.inf, math.nan]), min_size=1, max_size=8),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_count_at_least_is_the_kept_count(magnitudes, edges, dtype):
+    """What the balance step trusts: the grid counts equal ``(magnitude >= edge).sum()``, NaN and
+    infinities included (a NaN is never kept, a NaN edge keeps nothing)."""
+    from ssfusion_lightning.comm.oktopk import count_at_least
+
+    m, e = torch.tensor(magnitudes, dtype=dtype), torch.tensor(edges, dtype=dtype)
+    expected = [int((m >= float(edge)).sum()) for edge in e]
+    assert count_at_least(m, e).tolist() == expected

@@ -68,6 +68,13 @@ class Communicator(ABC):
         """The engine's plan changed: drop what was kept for buffers the new plan no longer has."""
         return None
 
+    def carries_votes(self, buffer: Buffer) -> bool:
+        """Whether the buffer's sparse exchange delivers ``Encoded.votes`` (one flag per rank, the
+        engine's non-finite vote) from every rank to every rank, filled in place by the time the
+        reduction is waited for, so that the vote needs no round of its own. Asked between rounds;
+        the answer must be the same on every rank."""
+        return False
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

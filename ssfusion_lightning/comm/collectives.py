@@ -25,9 +25,21 @@ def allreduce_dense(tensor: Tensor, group: dist.ProcessGroup | None) -> tuple[Te
     return tensor, traffic
 
 
-def allreduce_shared_positions(values: Tensor, indices: Tensor, numel: int, group: dist.ProcessGroup | None):
+def allreduce_with_votes(dense: Tensor, votes: Tensor | None, group: dist.ProcessGroup | None) -> tuple[Tensor, Traffic]:
+    """All-reduce ``dense`` with ``votes`` (see schemes.py) appended, one entry per rank: each
+    entry is nonzero on one rank at most, so the sum is every rank's flag."""
+    if votes is None:
+        return allreduce_dense(dense, group)
+    summed, traffic = allreduce_dense(torch.cat([dense, votes.to(dense.dtype)]), group)
+    votes.copy_(summed[dense.numel() :] != 0)
+    return summed[: dense.numel()], traffic
+
+
+def allreduce_shared_positions(
+    values: Tensor, indices: Tensor, numel: int, votes: Tensor | None, group: dist.ProcessGroup | None
+):
     """Every rank picked the same positions (randomk): all-reduce the values alone, then scatter."""
-    summed, traffic = allreduce_dense(values.clone(), group)
+    summed, traffic = allreduce_with_votes(values.clone(), votes, group)
     total = torch.zeros(numel, dtype=accumulation_dtype(values.dtype), device=values.device)
     total.index_add_(0, indices, summed.to(total.dtype))
     return total.to(values.dtype), traffic, None
@@ -48,22 +60,41 @@ class SchemeCommunicator(Communicator):
         if encoded.values is not None:
             channel = channels[buffer.channel + (1 if self.split and dense is not None else 0)]
             if encoded.shared_indices:
-                sparse = channel.submit(allreduce_shared_positions, encoded.values, encoded.indices, buffer.sparse_numel)
+                sparse = channel.submit(
+                    allreduce_shared_positions, encoded.values, encoded.indices, buffer.sparse_numel, encoded.votes
+                )
             else:
                 sparse = self.submit_sparse(channel, encoded, buffer)
         return PendingReduction(dense, sparse, channels.device)
 
+    def carries_votes(self, buffer: Buffer) -> bool:
+        # every sparse scheme fills ``votes`` from an exchange it makes anyway (see schemes.py)
+        return buffer.sparse_numel > 0
+
     def submit_sparse(self, channel: Channel, encoded: Encoded, buffer: Buffer) -> Future:
         """Queue the sparse part's job; stateful schemes override it to pass their per-buffer key."""
         return channel.submit(
-            self._sparse_job, encoded.values, encoded.indices, buffer.sparse_numel, encoded.equal_counts, encoded.max_count
+            self._sparse_job,
+            encoded.values,
+            encoded.indices,
+            buffer.sparse_numel,
+            encoded.equal_counts,
+            encoded.max_count,
+            encoded.votes,
         )
 
     def _sparse_job(
-        self, values: Tensor, indices: Tensor, numel: int, equal_counts: bool, max_count: int | None, group
+        self,
+        values: Tensor,
+        indices: Tensor,
+        numel: int,
+        equal_counts: bool,
+        max_count: int | None,
+        votes: Tensor | None,
+        group,
     ) -> tuple[Tensor, Traffic, Any]:
         traffic = Traffic()
-        total = SPARSE_SCHEMES.get(self.scheme)(values, indices, numel, group, traffic, equal_counts, max_count)
+        total = SPARSE_SCHEMES.get(self.scheme)(values, indices, numel, group, traffic, equal_counts, max_count, votes)
         return total, traffic, None
 
 
@@ -74,10 +105,19 @@ class AllreduceCommunicator(SchemeCommunicator):
     name = "allreduce"
     split = False
 
-    def _sparse_job(self, values: Tensor, indices: Tensor, numel: int, equal_counts: bool, max_count: int | None, group):
+    def _sparse_job(
+        self,
+        values: Tensor,
+        indices: Tensor,
+        numel: int,
+        equal_counts: bool,
+        max_count: int | None,
+        votes: Tensor | None,
+        group,
+    ):
         dense = torch.zeros(numel, dtype=values.dtype, device=values.device)
         dense[indices] = values
-        total, traffic = allreduce_dense(dense, group)
+        total, traffic = allreduce_with_votes(dense, votes, group)
         return total, traffic, None
 
 

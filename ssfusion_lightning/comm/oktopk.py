@@ -11,13 +11,17 @@ One round for a buffer's sparse part (``numel`` elements, each rank holding its 
    [k/2, 2k] or the reused threshold fell off its grid) the exact k-th largest |sum| over all
    regions (each owner contributes its local top-k magnitudes, all-gathered); in between the
    stored threshold is reused and nudged within the round: the owners count their entries at
-   24 geometric steps (x1.2) around it, one all-reduce of those counts, and every rank takes the
-   largest step that still keeps k entries. A nudge after the fact let the count drift to 2k and
-   the bytes past the 3(P-1)/P k(v+x) bound; the counts cost 24 integers. Owners keep
+   24 geometric steps (x1.2) around it, one all-gather of those counts, and every rank takes the
+   largest step whose summed count still keeps k entries. A nudge after the fact let the count drift to 2k and
+   the bytes past the 3(P-1)/P k(v+x) bound; the counts cost 24 integers per rank. Owners keep
    |sum| >= threshold.
 3. balance and allgather: the kept entries, in global index order, are re-cut into P slices of
    ceil(C/P) (all_to_all moves only what crosses a slice boundary), then one equal-sized
-   all_gather gives every rank all C entries.
+   all_gather gives every rank all C entries. The cut needs every owner's kept count: a reused
+   threshold is one of the grid's edges, so the grid's counts are all-gathered per rank rather
+   than all-reduced and already hold them; an exact threshold takes an all-gather of the counts.
+
+The engine's non-finite vote (``votes``, see schemes.py) rides in the low bit of step 1's counts.
 
 The result is the dense tensor holding those C entries (the top-k of the sum when the threshold
 is exact) and ``applied``, their positions; the engine then zeros a rank's residual only where an
@@ -140,36 +144,50 @@ def rebalance_boundaries(indices: Tensor, numel: int, group, traffic: Traffic) -
 
 
 def count_at_least(magnitude: Tensor, edges: Tensor) -> Tensor:
-    """How many entries of ``magnitude`` are >= each edge (edges in magnitude's dtype)."""
-    ordered = torch.sort(magnitude).values
-    return magnitude.numel() - torch.searchsorted(ordered, edges, right=False)
+    """How many entries of ``magnitude`` are >= each edge (edges in magnitude's dtype): exactly
+    ``(magnitude >= edge).sum()``, NaN included (never counted, as a NaN edge counts nothing),
+    since the balance step trusts these counts to be the owners' kept counts."""
+    ordered = torch.sort(magnitude[~torch.isnan(magnitude)]).values
+    counts = ordered.numel() - torch.searchsorted(ordered, edges, right=False)
+    return counts.masked_fill(torch.isnan(edges), 0)
 
 
-def reuse_threshold(magnitude: Tensor, threshold: float, k: int, group, traffic: Traffic) -> tuple[float, bool]:
+def reuse_threshold(magnitude: Tensor, threshold: float, k: int, group, traffic: Traffic) -> tuple[float, bool, list[int]]:
     """The stored threshold nudged within the round: the largest step of a geometric grid around
     it whose global count still reaches k, refined once on a linear grid up to the next step
     (error feedback piles magnitudes up just below past thresholds, so one coarse step can
-    double the count); also whether the grid missed (then the next round computes it exactly)."""
+    double the count); also whether the grid missed (then the next round computes it exactly),
+    and every rank's count of entries >= the threshold."""
     exponents = torch.arange(REUSE_STEPS, dtype=torch.float64) - REUSE_STEPS // 2
     coarse = threshold * REUSE_RATIO**exponents
-    step, reaching = _largest_reaching(magnitude, coarse, k, group, traffic)
+    step, reaching, kept = _largest_reaching(magnitude, coarse, k, group, traffic)
     if not 0 < reaching < REUSE_STEPS:
-        return step, True
+        return step, True, kept
     fine = torch.linspace(step, step * REUSE_RATIO, REUSE_STEPS + 1, dtype=torch.float64)[:-1]
-    return _largest_reaching(magnitude, fine, k, group, traffic)[0], False
+    step, _, kept = _largest_reaching(magnitude, fine, k, group, traffic)
+    return step, False, kept
 
 
-def _largest_reaching(magnitude: Tensor, grid: Tensor, k: int, group, traffic: Traffic) -> tuple[float, int]:
-    """(the largest grid value whose global count of |sum| >= it reaches k, how many reach k)."""
+def _largest_reaching(magnitude: Tensor, grid: Tensor, k: int, group, traffic: Traffic) -> tuple[float, int, list[int]]:
+    """(the largest grid value whose global count of |sum| >= it reaches k, how many reach k,
+    every rank's own count at that value). The counts are all-gathered rather than all-reduced:
+    a few more bytes, and the balance step needs no exchange of kept counts of its own."""
     # rounded to the magnitudes' dtype first, so counting here and keeping later compare alike
     edges = grid.to(device=magnitude.device, dtype=magnitude.dtype)
     counts = count_at_least(magnitude, edges)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(counts, group=group)
-        nbytes = ring_allreduce_bytes(edges.numel(), COUNT_BYTES, dist.get_world_size(group))
+    world = dist.get_world_size(group)
+    if world > 1:
+        gathered = [torch.empty_like(counts) for _ in range(world)]
+        dist.all_gather(gathered, counts, group=group)
+        per_rank = torch.stack(gathered)
+        nbytes = (world - 1) * edges.numel() * COUNT_BYTES
         traffic.add(nbytes, nbytes)
-    reaching = int((counts >= k).sum())  # counts fall as the edge grows: a prefix reaches k
-    return float(edges[min(max(reaching - 1, 0), edges.numel() - 1)]), reaching
+    else:
+        per_rank = counts.unsqueeze(0)
+    # summed in int64: the same global counts as an all-reduce, on every rank
+    reaching = int((per_rank.sum(dim=0) >= k).sum())  # counts fall as the edge grows: a prefix reaches k
+    chosen = min(max(reaching - 1, 0), edges.numel() - 1)
+    return float(edges[chosen]), reaching, per_rank[:, chosen].tolist()
 
 
 def oktopk_reduce(
@@ -182,6 +200,7 @@ def oktopk_reduce(
     state: OkTopkState,
     rebalance_every: int = 64,
     threshold_every: int = 32,
+    votes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One Ok-Topk round; returns (dense result in values' dtype, applied positions int64 sorted)."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
@@ -202,9 +221,13 @@ def oktopk_reduce(
     indices, values, region = indices[order], values[order], region[order]
     send = torch.bincount(region, minlength=world)
     if world > 1:
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
+        words = send if votes is None else send * 2 + votes[me].to(torch.int64)
+        recv = torch.empty_like(words)
+        dist.all_to_all_single(recv, words, group=group)
         traffic.add((world - 1) * COUNT_BYTES, (world - 1) * COUNT_BYTES)
+        if votes is not None:
+            votes.copy_(recv & 1)
+            recv = recv >> 1
     else:
         recv = send
     counts = send.tolist()
@@ -238,14 +261,15 @@ def oktopk_reduce(
         else:
             candidates = local_top
         state.threshold = float(torch.topk(candidates, k).values.min()) if candidates.numel() > k else 0.0
-    missed = False
+    missed, sizes = False, None
     if not exact:
-        state.threshold, missed = reuse_threshold(magnitude, state.threshold, k, group, traffic)
+        state.threshold, missed, sizes = reuse_threshold(magnitude, state.threshold, k, group, traffic)
     keep = magnitude >= state.threshold
     kept_idx, kept_val = region_idx[keep], region_sum[keep].to(dtype)  # the one cast, by the owner
 
     # 3. balance into ceil(C/P) slices in global index order, then allgather
-    sizes = _all_gather_counts(kept_idx.numel(), group, device, traffic) if world > 1 else [kept_idx.numel()]
+    if sizes is None:  # an exact threshold: the owners' kept counts are not known yet
+        sizes = _all_gather_counts(kept_idx.numel(), group, device, traffic) if world > 1 else [kept_idx.numel()]
     total_count = sum(sizes)
     chunk = -(-total_count // world)
     starts = [sum(sizes[:j]) for j in range(world)]
@@ -313,16 +337,16 @@ class OkTopkCommunicator(SchemeCommunicator):
     def submit_sparse(self, channel: Channel, encoded: Encoded, buffer: Buffer) -> Future:
         key = f"{buffer.index}:{buffer.sparse_numel}"
         k = sum(slot.k for slot in buffer.sparse_slots)
-        return channel.submit(self._oktopk_job, key, k, encoded.values, encoded.indices, buffer.sparse_numel)
+        return channel.submit(self._oktopk_job, key, k, encoded.values, encoded.indices, buffer.sparse_numel, encoded.votes)
 
     def state_for(self, key: str) -> OkTopkState:
         with self._lock:
             return self._states.setdefault(key, OkTopkState())
 
-    def _oktopk_job(self, key: str, k: int, values: Tensor, indices: Tensor, numel: int, group):
+    def _oktopk_job(self, key: str, k: int, values: Tensor, indices: Tensor, numel: int, votes: Tensor | None, group):
         traffic = Traffic()
         total, applied = oktopk_reduce(
-            values, indices, numel, k, group, traffic, self.state_for(key), self.rebalance_every, self.threshold_every
+            values, indices, numel, k, group, traffic, self.state_for(key), self.rebalance_every, self.threshold_every, votes
         )
         return total, traffic, applied
 

@@ -1,10 +1,14 @@
 """Sparse allreduce schemes: each sums every rank's sparse (values, indices) into a dense tensor.
 
 A scheme is a blocking function ``scheme(values, indices, numel, group, traffic, equal_counts,
-max_count)`` returning the dense SUM (``numel`` elements, values' dtype) over the group's ranks; it
-adds the bytes this rank moved to ``traffic``. ``equal_counts`` promises every rank sends the same
-count (SAFusion's alignment); ``max_count``, when not None, bounds every rank's count (the plan's k
-of a sparsifier that never exceeds k). Schemes that exchange counts may skip that round on either.
+max_count, votes)`` returning the dense SUM (``numel`` elements, values' dtype) over the group's
+ranks; it adds the bytes this rank moved to ``traffic``. ``equal_counts`` promises every rank sends
+the same count (SAFusion's alignment); ``max_count``, when not None, bounds every rank's count (the
+plan's k of a sparsifier that never exceeds k). Schemes that exchange counts may skip that round on
+either. ``votes``, when not None, is a uint8 vector with one entry per rank of the group, this
+rank's flag at its own entry (the engine's non-finite vote); the scheme overwrites it in place with
+every rank's flag, as an all-reduce MAX of the ranks' vectors would, carried in a header or count
+message the scheme exchanges anyway, so the flags take no round of their own.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class SparseScheme(Protocol):
         traffic: Traffic,
         equal_counts: bool = False,
         max_count: int | None = None,
+        votes: Tensor | None = None,
     ) -> Tensor: ...
 
 
@@ -92,12 +97,14 @@ def allgather_sum(
     traffic: Traffic,
     equal_counts: bool = False,
     max_count: int | None = None,
+    votes: Tensor | None = None,
 ) -> Tensor:
     """AGsparse: allgather every rank's (count, indices, values), then scatter-add.
 
     Every message has the same length, so ranks first agree on the largest count, except where
     the counts are known in advance: ``equal_counts``, or ``max_count`` (a bound every rank's
     count respects, known from the plan), which saves that round at the price of padding.
+    ``votes`` ride in the header, after the count: every rank receives every rank's header.
     """
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
@@ -113,10 +120,14 @@ def allgather_sum(
     index_dtype = wire_index_dtype(numel)
     index_bytes = torch.tensor([], dtype=index_dtype).element_size()
     pair_bytes = index_bytes + values.element_size()
-    # count header, then positions, padded so the values start 8-byte aligned (any dtype can view them)
-    position_slots = -(-(slots + 1) * index_bytes // 8) * 8 // index_bytes
+    # header (count, then this rank's vote if any), then positions, padded so the values start
+    # 8-byte aligned (any dtype can view them)
+    header_slots = 1 if votes is None else 2
+    position_slots = -(-(slots + header_slots) * index_bytes // 8) * 8 // index_bytes
     header = torch.tensor([count], dtype=index_dtype, device=values.device)
-    padding = indices.new_zeros(position_slots - 1 - count, dtype=index_dtype)
+    if votes is not None:
+        header = torch.cat([header, votes[me : me + 1].to(index_dtype)])
+    padding = indices.new_zeros(position_slots - header_slots - count, dtype=index_dtype)
     positions = torch.cat([header, indices.to(index_dtype), padding])
     padded_values = torch.cat([values, values.new_zeros(slots - count)])
     message = torch.cat([positions.view(torch.uint8), padded_values.contiguous().view(torch.uint8)])
@@ -132,9 +143,11 @@ def allgather_sum(
             part_positions = part[:split].view(index_dtype)
             n = int(part_positions[0])
             received += n
-            part_indices = part_positions[1 : n + 1].to(torch.int64)
+            part_indices = part_positions[header_slots : header_slots + n].to(torch.int64)
             part_values = part[split:].view(values.dtype)[:n]
         total.index_add_(0, part_indices, part_values.to(total.dtype))
+    if votes is not None:
+        votes.copy_(torch.stack([part[:split].view(index_dtype)[1] for part in gathered]))
     padded = (world - 1) * (split + slots * values.element_size())
     traffic.add(
         sent=(world - 1) * count * pair_bytes,

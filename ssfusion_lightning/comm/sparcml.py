@@ -7,10 +7,17 @@ P = 2^q + r, the first 2r ranks pair up, each odd one folds its set into its eve
 sits out; the 2^q remaining ranks run the doubling; at the end every folded rank gets the result
 back from its neighbour.
 
-Every message is an 8-byte header (2 * count + summed flag) then ``count`` positions (int32
-when the tensor has fewer than 2^31 elements) and values. Raw (not yet summed) values travel in their own dtype; partial sums of low-precision
-values travel in fp32 and are cast once at the end. Both partners merge the same two sets in the
-same order (lower rank first), so all ranks end bitwise identical.
+Every set travels as an 8-byte header (2 * count + summed flag), then ``count`` positions
+(int32 when the tensor has fewer than 2^31 elements) and values: two messages, since the receiver
+sizes the second from the header. Where every rank's count is bounded (``max_count``), a rank's
+own selection (the fold, the first doubling round) travels in one message instead, the header in
+front and the set padded to the bound: at P = 2^q the first round then takes one message. Votes
+(see schemes.py), when carried, follow the header word, one byte per rank: each rank sends the
+flags it knows so far and keeps the maximum of what it receives, so after the doubling every
+rank knows every rank's flag (a folded rank from its neighbour's send-back). Raw (not yet summed)
+values travel in their own dtype; partial sums of low-precision values travel in fp32 and are
+cast once at the end. Both partners merge the same two sets in the same order (lower rank
+first), so all ranks end bitwise identical.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from ssfusion_lightning.comm.schemes import (
     COUNT_BYTES,
     SPARSE_SCHEMES,
     accumulation_dtype,
+    bytes_as,
     pack,
     unpack,
     wire_index_dtype,
@@ -67,42 +75,83 @@ def _send_recv(
     group: dist.ProcessGroup | None,
     traffic: Traffic,
     device: torch.device,
+    votes: Tensor | None = None,
+    bound_out: int | None = None,
+    bound_in: int | None = None,
 ) -> tuple[Tensor, Tensor, bool] | None:
-    """Send ``(indices, values, summed)`` to ``partner`` and/or receive its set, concurrently."""
+    """Send ``(indices, values, summed)`` to ``partner`` and/or receive its set, concurrently;
+    ``votes`` travel in the header and the received ones are merged into it.
+
+    ``bound_out`` / ``bound_in``: the most pairs the sent / received set can hold, where both
+    partners know it (a rank's own selection under ``max_count``). Such a set travels in one
+    message, its header in front and padded to the bound, instead of a header message first."""
     peer = _peer(group, partner)
+    header_bytes = COUNT_BYTES + (0 if votes is None else votes.numel())
+    position_bytes = torch.tensor([], dtype=index_dtype).element_size()
+    bounded_pair = position_bytes + torch.tensor([], dtype=dtype).element_size()
+    sent_bytes = received_bytes = padded_sent = padded_received = 0
+    # 1. headers, and the sets that travel with theirs
     works, header_in = [], None
     if send is not None:
-        header_out = torch.tensor([2 * send[0].numel() + int(send[2])], dtype=torch.int64, device=device)
-        works.append(dist.isend(header_out, peer, group=group))
-    if receive:
-        header_in = torch.empty(1, dtype=torch.int64, device=device)
+        idx, val, summed = send
+        header_out = torch.tensor([2 * idx.numel() + int(summed)], dtype=torch.int64, device=device).view(torch.uint8)
+        if votes is not None:
+            header_out = torch.cat([header_out, votes])
+        sent_bytes = header_bytes + idx.numel() * (position_bytes + val.element_size())
+        if bound_out is None:
+            works.append(dist.isend(header_out, peer, group=group))
+            padded_sent = sent_bytes
+        else:  # a raw selection (never summed): values in their own dtype
+            gap = bound_out - idx.numel()
+            message = torch.cat([
+                header_out,
+                torch.cat([idx.to(index_dtype), idx.new_zeros(gap, dtype=index_dtype)]).view(torch.uint8),
+                torch.cat([val, val.new_zeros(gap)]).view(torch.uint8),
+            ])  # fmt: skip
+            works.append(dist.isend(message, peer, group=group))
+            padded_sent = message.numel()
+    if receive and bound_in is None:
+        header_in = torch.empty(header_bytes, dtype=torch.uint8, device=device)
         works.append(dist.irecv(header_in, peer, group=group))
+    elif receive:
+        message_in = torch.empty(header_bytes + bound_in * bounded_pair, dtype=torch.uint8, device=device)
+        works.append(dist.irecv(message_in, peer, group=group))
+        header_in = message_in  # the header, then the set
     for work in works:
         work.wait()
-    sent_bytes = received_bytes = 0
+    # 2. the sets whose size a header announced
     works, inbox, got = [], None, None
-    if send is not None:
-        position_bytes = torch.tensor([], dtype=index_dtype).element_size()
-        sent_bytes = COUNT_BYTES + send[0].numel() * (position_bytes + send[1].element_size())
-        if send[0].numel():
-            works.append(dist.isend(pack(send[1], send[0], index_dtype), peer, group=group))
+    if send is not None and bound_out is None and idx.numel():
+        works.append(dist.isend(pack(val, idx, index_dtype), peer, group=group))
     if receive:
-        word = int(header_in.item())
+        if votes is not None:
+            torch.maximum(votes, header_in[COUNT_BYTES:header_bytes], out=votes)
+        word = int(header_in[:COUNT_BYTES].view(torch.int64).item())
         count, summed = word // 2, bool(word % 2)
         wire = acc if summed else dtype
-        size = count * (torch.tensor([], dtype=index_dtype).element_size() + torch.tensor([], dtype=wire).element_size())
-        received_bytes = COUNT_BYTES + size
-        inbox = torch.empty(size, dtype=torch.uint8, device=device)
-        if size:
-            works.append(dist.irecv(inbox, peer, group=group))
+        pair = position_bytes + torch.tensor([], dtype=wire).element_size()
+        received_bytes = header_bytes + count * pair
+        if bound_in is None:
+            padded_received = received_bytes
+            inbox = torch.empty(count * pair, dtype=torch.uint8, device=device)
+            if count:
+                works.append(dist.irecv(inbox, peer, group=group))
+        else:
+            padded_received = header_in.numel()
         got = (count, summed, wire)
     for work in works:
         work.wait()
-    traffic.add(sent_bytes, received_bytes)
+    traffic.add(sent_bytes, received_bytes, padded_sent, padded_received)
     if got is None:
         return None
     count, summed, wire = got
-    values, indices = unpack(inbox, count, wire, index_dtype)
+    if bound_in is None:
+        values, indices = unpack(inbox, count, wire, index_dtype)
+    else:
+        body = header_in[header_bytes:]
+        split = bound_in * position_bytes
+        indices = bytes_as(body[:split], index_dtype)[:count].to(torch.int64)
+        values = bytes_as(body[split:], wire)[:count]
     return indices, values, summed
 
 
@@ -114,37 +163,57 @@ def sparcml_sum(
     traffic: Traffic,
     equal_counts: bool = False,
     max_count: int | None = None,
+    votes: Tensor | None = None,
 ) -> Tensor:
     """Recursive-doubling sparse allreduce; returns the dense sum in values' dtype. Counts travel
-    in each message's header, so neither ``equal_counts`` nor ``max_count`` saves a round."""
+    in each message's header. With ``max_count``, a rank's own selection (the fold, the first
+    doubling round) travels with its header in one message padded to the bound, so only the sets
+    merged since need a header message first; the indices must then be distinct."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
     dtype, acc, device = values.dtype, accumulation_dtype(values.dtype), values.device
     wire = wire_index_dtype(numel)
     idx, val, summed = _coalesce(indices.to(torch.int64), values, acc)
+    if max_count is not None and (summed or idx.numel() > max_count):
+        raise ValueError(
+            f"sparcml: with max_count={max_count}, {values.numel()} selected elements must be at most "
+            "that many and at distinct positions"
+        )
     core = 1 << (world.bit_length() - 1)
     extra = world - core
+
+    def exchange(partner: int, send, receive: bool, bound_out: int | None = None, bound_in: int | None = None):
+        return _send_recv(partner, send, receive, dtype, acc, wire, group, traffic, device, votes, bound_out, bound_in)
+
     # fold: among the first 2*extra ranks, odd ranks hand their set to their even neighbour
     if me < 2 * extra and me % 2 == 1:
-        _send_recv(me - 1, (idx, val, summed), False, dtype, acc, wire, group, traffic, device)
-        idx, val, _ = _send_recv(me - 1, None, True, dtype, acc, wire, group, traffic, device)
+        exchange(me - 1, (idx, val, summed), False, bound_out=max_count)
+        idx, val, _ = exchange(me - 1, None, True)
     else:
+        fresh = True  # this rank's set is still its own selection
         if me < 2 * extra:
-            other = _send_recv(me + 1, None, True, dtype, acc, wire, group, traffic, device)
+            other = exchange(me + 1, None, True, bound_in=max_count)
             idx, val = _merge((idx, val), other[:2], acc)
-            summed = True
+            summed, fresh = True, False
         my_core = me // 2 if me < 2 * extra else me - extra
         mask = 1
         while mask < core:
             partner_core = my_core ^ mask
             partner = 2 * partner_core if partner_core < extra else partner_core + extra
-            other = _send_recv(partner, (idx, val, summed), True, dtype, acc, wire, group, traffic, device)
+            partner_fresh = mask == 1 and partner >= 2 * extra  # it folded nothing in
+            other = exchange(
+                partner,
+                (idx, val, summed),
+                True,
+                bound_out=max_count if fresh else None,
+                bound_in=max_count if partner_fresh else None,
+            )
             mine = (idx, val)
             idx, val = _merge(mine, other[:2], acc) if me < partner else _merge(other[:2], mine, acc)
-            summed = True
+            summed, fresh = True, False
             mask <<= 1
         val = val.to(dtype)  # the one cast
         if me < 2 * extra:
-            _send_recv(me + 1, (idx, val, False), False, dtype, acc, wire, group, traffic, device)
+            exchange(me + 1, (idx, val, False), False)
     total = torch.zeros(numel, dtype=dtype, device=values.device)
     total[idx] = val.to(dtype)
     return total

@@ -190,8 +190,11 @@ def zen_sum(
     traffic: Traffic,
     equal_counts: bool = False,
     seed: int = DEFAULT_SEED,
+    votes: Tensor | None = None,
 ) -> Tensor:
-    """ZEN balanced parallelism (see the module docstring); returns the dense sum, values' dtype."""
+    """ZEN balanced parallelism (see the module docstring); returns the dense sum, values' dtype.
+    ``votes`` (see schemes.py) ride in the low bit of the push counts, which every rank sends to
+    every rank."""
     me, world = _group_rank_world(group)
     device, dtype = values.device, values.dtype
     acc = accumulation_dtype(dtype)
@@ -209,9 +212,13 @@ def zen_sum(
     order = torch.argsort(owner, stable=True)
     indices, values, owner = indices[order], values[order], owner[order]
     send_counts = torch.bincount(owner, minlength=world)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    words = send_counts if votes is None else send_counts * 2 + votes[me].to(torch.int64)
+    recv_counts = torch.empty_like(words)
+    dist.all_to_all_single(recv_counts, words, group=group)
     traffic.add((world - 1) * COUNT_BYTES, (world - 1) * COUNT_BYTES)
+    if votes is not None:
+        votes.copy_(recv_counts & 1)
+        recv_counts = recv_counts >> 1
     sends, recvs = send_counts.tolist(), recv_counts.tolist()
     pair = xbytes + vbytes
     idx_parts, val_parts = torch.split(indices, sends), torch.split(values, sends)
@@ -288,10 +295,11 @@ def zen_scheme(
     traffic: Traffic,
     equal_counts: bool = False,
     max_count: int | None = None,
+    votes: Tensor | None = None,
 ) -> Tensor:
     """ZEN balanced parallelism with the default seed (every rank uses the same one); its count
     exchange is per destination partition, which a bound on the total does not replace."""
-    return zen_sum(values, indices, numel, group, traffic, equal_counts, DEFAULT_SEED)
+    return zen_sum(values, indices, numel, group, traffic, equal_counts, DEFAULT_SEED, votes)
 
 
 def zen_expected_bytes(
@@ -335,7 +343,9 @@ def _agree_seed(seed: int, group: dist.ProcessGroup | None, device: torch.device
     return int(tensor.item())
 
 
-def zen_or_sparcml(world: int, numel: int, k: int, nonzeros: float, value_bytes: int, link: Link) -> str:
+def zen_or_sparcml(
+    world: int, numel: int, k: int, nonzeros: float, value_bytes: int, link: Link, bounded: bool = False
+) -> str:
     """ZEN's choice between balanced parallelism and SparCML from the alpha-beta model (ZEN on a tie).
 
     ``k``: entries each rank sends; ``nonzeros``: K, entries of the summed result (its size
@@ -345,6 +355,8 @@ def zen_or_sparcml(world: int, numel: int, k: int, nonzeros: float, value_bytes:
     - sparcml: 2 messages (header, set) per recursive-doubling round over P' = 2^floor(log2 P)
       ranks, the set after r rounds being the union of 2^r selections, estimated from K with
       independent selections, U(m) = n (1 - (1 - K/n)^(m/P)); P > P' adds the fold and send-back.
+      ``bounded`` (the selections' counts are bounded by k): a rank's own selection travels with
+      its header, so the first doubling round and the fold take one message instead of two.
     """
     if world <= 1:
         return "zen"
@@ -360,10 +372,11 @@ def zen_or_sparcml(world: int, numel: int, k: int, nonzeros: float, value_bytes:
     core = 1 << (world.bit_length() - 1)
     sparcml, members = 0.0, world / core  # after the fold a core rank holds P/P' selections
     while members < world:  # log2 P' doubling rounds
-        sparcml += 2 * link.alpha + link.beta * union(members) * pair
+        first = members == world / core
+        sparcml += (1 if bounded and first and core == world else 2) * link.alpha + link.beta * union(members) * pair
         members *= 2
     if core != world:  # the fold (one selection in) and the send-back (the full sum out)
-        sparcml += 4 * link.alpha + link.beta * (k + nonzeros) * pair
+        sparcml += (3 if bounded else 4) * link.alpha + link.beta * (k + nonzeros) * pair
     return "zen" if zen <= sparcml else "sparcml"
 
 
@@ -408,7 +421,9 @@ class ZenCommunicator(SchemeCommunicator):
     def submit_sparse(self, channel: Channel, encoded: Encoded, buffer: Buffer) -> Future:
         key = f"{buffer.index}:{buffer.sparse_numel}"
         k = sum(slot.k for slot in buffer.sparse_slots)
-        return channel.submit(self._zen_job, key, k, encoded.values, encoded.indices, buffer.sparse_numel)
+        return channel.submit(
+            self._zen_job, key, k, encoded.values, encoded.indices, buffer.sparse_numel, encoded.max_count, encoded.votes
+        )
 
     def _state(self, key: str) -> _BufferState:
         with self._lock:
@@ -446,22 +461,34 @@ class ZenCommunicator(SchemeCommunicator):
         state = self._states.get(key)
         return None if state is None else state.choice
 
-    def _zen_job(self, key: str, k: int, values: Tensor, indices: Tensor, numel: int, group) -> tuple[Tensor, Traffic, Any]:
+    def _zen_job(
+        self,
+        key: str,
+        k: int,
+        values: Tensor,
+        indices: Tensor,
+        numel: int,
+        max_count: int | None,
+        votes: Tensor | None,
+        group,
+    ) -> tuple[Tensor, Traffic, Any]:
         traffic = Traffic()
         seed = self._seed_for(group, values.device, traffic)
         state = self._state(key)
         scheme = self.choice if self.choice != "auto" else state.choice
         if scheme == "sparcml":
-            total = SPARSE_SCHEMES.get("sparcml")(values, indices, numel, group, traffic, False)
+            total = SPARSE_SCHEMES.get("sparcml")(values, indices, numel, group, traffic, False, max_count, votes)
         else:
-            total = zen_sum(values, indices, numel, group, traffic, False, seed)
+            total = zen_sum(values, indices, numel, group, traffic, False, seed, votes)
         state.rounds += 1
         if scheme is None:  # profiling: K is the same on every rank (the same sum)
             state.nonzeros.append(int(torch.count_nonzero(total)))
             if len(state.nonzeros) >= self.profile_rounds:
                 nonzeros = sum(state.nonzeros) / len(state.nonzeros)
                 link = self._link_for(group, values.device)
-                state.choice = zen_or_sparcml(dist.get_world_size(group), numel, k, nonzeros, values.element_size(), link)
+                state.choice = zen_or_sparcml(
+                    dist.get_world_size(group), numel, k, nonzeros, values.element_size(), link, max_count is not None
+                )
         return total, traffic, None
 
     def state_dict(self) -> dict[str, Any]:

@@ -289,13 +289,14 @@ class FusionEngine:
         plan = self.active_plan
         # A sparse plan needs every rank to know whether any rank's gradients were non-finite.
         # When the last buffer has a dense part, packed after every other tensor was compressed,
-        # the vote rides at its end (one entry per rank) instead of taking a round of its own.
-        self._vote_in_dense = (
-            plan.sparse_numel > 0
-            and plan.buffers[-1].dense_numel > 0
-            and self.communicator.sums_dense
-            and not self._offloaded  # an offloaded tensor may finish its check later
-        )
+        # the vote rides at its end (one entry per rank) instead of taking a round of its own;
+        # otherwise in its sparse exchange, where the communicator carries one flag per rank to
+        # every rank (in a count header it sends anyway). Per-tensor policies pack the last
+        # buffer on the offload worker behind every offloaded selection; a whole buffer
+        # offloaded ahead of the last may finish its check after the last one is packed.
+        rides = plan.sparse_numel > 0 and (self.policy.per_tensor or not self._offloaded)
+        self._vote_in_dense = rides and plan.buffers[-1].dense_numel > 0 and self.communicator.sums_dense
+        self._vote_in_sparse = rides and not self._vote_in_dense and self.communicator.carries_votes(plan.buffers[-1])
         # the round's buffers: the policy's plan, then one per sparse-gradient parameter
         self._buffers = plan.buffers + self._coo_buffers
         self._missing = [len(b.slots) for b in self._buffers]
@@ -332,12 +333,12 @@ class FusionEngine:
 
     # ---------------------------------------------------------------- buffer -> sparsify -> communicate
     def _carries_vote(self, buffer: Buffer) -> bool:
-        return self._vote_in_dense and buffer.index == len(self.active_plan.buffers) - 1
+        return (self._vote_in_dense or self._vote_in_sparse) and buffer.index == len(self.active_plan.buffers) - 1
 
     def _dense_out(self, buffer: Buffer) -> Tensor | None:
         if buffer.dense_numel == 0:
             return None
-        numel = buffer.dense_numel + (self.world_size if self._carries_vote(buffer) else 0)
+        numel = buffer.dense_numel + (self.world_size if self._vote_in_dense and self._carries_vote(buffer) else 0)
         key = (buffer.index, numel)
         out = self._dense_storage.get(key)
         if out is None:
@@ -494,10 +495,12 @@ class FusionEngine:
         return self._launch_encoded(buffer, self._compress_buffer(buffer, grads))
 
     def _finish_encoding(self, buffer: Buffer, encoded: Encoded) -> Encoded:
-        if self._carries_vote(buffer):
+        if self._vote_in_dense and self._carries_vote(buffer):
             self._health_vector(out=encoded.dense[buffer.dense_numel :])
         if encoded.values is not None and encoded.values.device != self.channels.device:
             encoded = to_device(encoded, self.channels.device)  # selected on pinned host memory
+        if self._vote_in_sparse and self._carries_vote(buffer):
+            encoded.votes = self._health_vector()  # every rank's flag once the buffer is reduced
         return encoded
 
     def _launch_encoded(self, buffer: Buffer, encoded: Encoded) -> tuple[Buffer, PendingReduction, Encoded]:
@@ -526,7 +529,7 @@ class FusionEngine:
         launched = [self._settle(item, "compress and launch") for item in self._pending]
         # Only sparse slots need a vote: a dense sum carries any rank's NaN/Inf to every rank, so
         # the reduced dense parts are checked instead, at no extra round.
-        vote_round = self.active_plan.sparse_numel and not self._vote_in_dense
+        vote_round = self.active_plan.sparse_numel and not (self._vote_in_dense or self._vote_in_sparse)
         health = self.channels[0].submit(_allreduce_max, self._health_vector()) if vote_round else None
         usage = self._agree_on_usage() if self.config.find_unused_parameters else None
         ready_order = self._agree_on_ready_order() if self._rebuild_from_ready_order else None
@@ -535,6 +538,8 @@ class FusionEngine:
         if self._vote_in_dense:
             last, reduced, _ = results[len(self.active_plan.buffers) - 1]
             votes = reduced.dense[last.dense_numel :]
+        elif self._vote_in_sparse:
+            votes = results[len(self.active_plan.buffers) - 1][2].votes
         else:
             votes = self._settle(health, "non-finite check") if health is not None else None
         unhealthy = [rank for rank, flag in enumerate(votes.tolist()) if flag] if votes is not None else []

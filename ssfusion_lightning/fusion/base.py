@@ -56,6 +56,9 @@ class Encoded:
     max_count: int | None = None
     #: every rank selected the same positions (randomk): the values can be all-reduced
     shared_indices: bool = False
+    #: the engine's non-finite vote riding in this buffer's sparse exchange: a uint8 vector, one
+    #: entry per rank, this rank's flag set; the communicator fills in every rank's flag in place
+    votes: Tensor | None = None
 
 
 @dataclass
