@@ -303,3 +303,31 @@ def test_report_memory_tables_come_from_the_committed_csvs(stem):
     table = bench_memory.markdown(bench_memory.summarize(runs), runs)
     assert bench_e2e.report_section(stem.replace("_", "-")) == table.strip()
     assert (RESULTS / f"{stem}.md").read_text().endswith(table)
+
+
+# --------------------------------------------------------------------------- count_rounds.py
+@pytest.mark.skipif(not (RESULTS / "rounds.csv").exists(), reason="no committed rounds results")
+def test_rounds_table_comes_from_the_committed_csvs(tmp_path):
+    from experiments import count_rounds
+
+    for name in ("rounds.csv", "rounds_before.csv"):
+        if (RESULTS / name).exists():
+            (tmp_path / name).write_text((RESULTS / name).read_text())
+    count_rounds.write_report(tmp_path)
+    assert (tmp_path / "rounds.md").read_text() == (RESULTS / "rounds.md").read_text()
+
+
+def test_count_rounds_finds_no_control_round_in_a_steady_step():
+    """Two ranks, every call classified: the ssfusion and zen presets issue payload only once
+    steady; Ok-Topk keeps its region counts and two threshold rounds per buffer."""
+    from experiments import count_rounds
+
+    names = ["ssfusion", "zen", "oktopk"]
+    results = count_rounds.count(2, names)
+    rows = {name: count_rounds.rows_for(name, 2, results[name]) for name in names}
+    for name, row in rows.items():
+        assert row["unclassified"] == 0 and row["buffers"] > 1, row
+    assert rows["ssfusion"]["control"] == rows["zen"]["control"] == 0, rows
+    buffers = rows["oktopk"]["buffers"]
+    assert (rows["oktopk"]["oktopk_counts"], rows["oktopk"]["oktopk_threshold"]) == (buffers, 2 * buffers), rows
+    assert rows["oktopk"]["control"] == 3 * buffers and rows["oktopk"]["vote"] == 0, rows
