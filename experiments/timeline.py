@@ -45,8 +45,9 @@ RESULTS = HERE / "results"
 
 #: SSFusionStrategy overrides of the ssfusion preset per scheme
 SCHEMES: dict[str, dict[str, Any]] = {
-    "ssfusion": {},
-    "ssfusion_first1mb": {"first_buffer_mb": 1.0},
+    "ssfusion": {},  # buffer_mb="auto": the cost model's cut
+    "ssfusion_25mb": {"buffer_mb": 25.0},  # the default before "auto": one buffer for these models
+    "ssfusion_first1mb": {"buffer_mb": 25.0, "first_buffer_mb": 1.0},
     "ssfusion_1mb": {"buffer_mb": 1.0},
 }
 WORKLOADS = ("resnet18", "gpt2")
