@@ -39,6 +39,9 @@ class CostProfile:
     allgather: Link = Link(50e-6, 1e-9)
     world_size: int = 2
     measured: bool = False
+    #: CPU seconds one more buffer costs (its pack and launch on the main thread, its collective's
+    #: work on a channel thread): on a rank with few cores it is taken from the backward
+    buffer_overhead: float = 0.0
 
     def compress_seconds(self, numel: int) -> float:
         return self.compress_fixed + self.compress_per_element * numel
@@ -76,6 +79,7 @@ class Profiler:
         self.names = list(names)
         self.backward = {n: [] for n in self.names}
         self.compress: list[tuple[int, float]] = []
+        self.launches: list[float] = []
         self._last_ready: float | None = None
 
     def begin_backward(self) -> None:
@@ -94,14 +98,21 @@ class Profiler:
     def compressed(self, numel: int, seconds: float) -> None:
         self.compress.append((numel, seconds))
 
-    def local_vector(self) -> list[float]:
-        """Median backward time per tensor, then the compression line's intercept and slope."""
+    def launched(self, seconds: float) -> None:
+        """A buffer's pack and launch on the main thread."""
+        self.launches.append(seconds)
+
+    def local_vector(self, job_cpu_seconds: float = 0.0) -> list[float]:
+        """Median backward time per tensor, the compression line's intercept and slope, then the
+        buffer overhead: the median launch plus ``job_cpu_seconds`` (a collective's CPU time)."""
         medians = []
         for n in self.names:
             samples = sorted(self.backward[n])
             medians.append(samples[len(samples) // 2] if samples else 0.0)
         fixed, per_element = fit_line([float(n) for n, _ in self.compress], [s for _, s in self.compress])
-        return medians + [fixed, per_element]
+        launches = sorted(self.launches)
+        launch = launches[len(launches) // 2] if launches else 0.0
+        return medians + [fixed, per_element, launch + job_cpu_seconds]
 
 
 def measure_link(
@@ -146,8 +157,9 @@ def agree(
         backward=dict(zip(names, agreed[:n])),
         compress_fixed=agreed[n],
         compress_per_element=agreed[n + 1],
-        allreduce=Link(agreed[n + 2], agreed[n + 3]),
-        allgather=Link(agreed[n + 4], agreed[n + 5]),
+        buffer_overhead=agreed[n + 2],
+        allreduce=Link(agreed[n + 3], agreed[n + 4]),
+        allgather=Link(agreed[n + 5], agreed[n + 6]),
         world_size=world_size,
         measured=True,
     )

@@ -4,6 +4,7 @@ identical plans on every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -31,7 +32,7 @@ def specs(sizes, dtypes=None):
     return [(i, ParamSpec(f"t{i}", (n,), dtype)) for i, (n, dtype) in enumerate(zip(sizes, dtypes))]
 
 
-def costs_for(params, backward, alpha=1e-4, beta=1e-8, per_element=1e-9):
+def costs_for(params, backward, alpha=1e-4, beta=1e-8, per_element=1e-9, overhead=0.0):
     link = Link(alpha, beta)
     return CostProfile(
         backward={spec.name: backward for _, spec in params},
@@ -41,6 +42,7 @@ def costs_for(params, backward, alpha=1e-4, beta=1e-8, per_element=1e-9):
         allgather=link,
         world_size=4,
         measured=True,
+        buffer_overhead=overhead,
     )
 
 
@@ -68,13 +70,14 @@ def all_cuts(params):
     backward=st.floats(0.0, 5e-3),
     alpha=st.floats(0.0, 5e-3),
     beta=st.floats(0.0, 1e-7),
+    overhead=st.floats(0.0, 5e-3),
     halves=st.lists(st.booleans(), min_size=8, max_size=8),
     dense_every=st.integers(0, 3),
 )
-def test_cost_cut_is_optimal_for_its_model(sizes, backward, alpha, beta, halves, dense_every):
+def test_cost_cut_is_optimal_for_its_model(sizes, backward, alpha, beta, overhead, halves, dense_every):
     dtypes = [torch.float16 if h else torch.float32 for h in halves[: len(sizes)]]
     params = specs(sizes, dtypes)
-    costs = costs_for(params, backward, alpha, beta)
+    costs = costs_for(params, backward, alpha, beta, overhead=overhead)
     sparse_of = (lambda spec: int(spec.name[1:]) % dense_every != 0) if dense_every else SPARSE[0]
     groups = cut_by_cost(params, costs, sparse_of, SPARSE[1])
     assert [item for g in groups for item in g] == params  # order kept, nothing lost
@@ -92,6 +95,13 @@ def test_slow_link_and_long_backward_give_early_buffers():
     groups = cut_by_cost(params, costs, *SPARSE)
     assert len(groups) > 1 and len(groups[0]) < len(params) // 2  # the first launch is early in the backward
     assert modelled_finish(groups, costs, *SPARSE) < modelled_finish([params], costs, *SPARSE)
+
+
+def test_buffer_overhead_merges_buffers():
+    """The same slow link and long backward, but each buffer costs 200 ms of CPU: one buffer."""
+    params = specs([1 << 20] * 12)
+    costs = dataclasses.replace(costs_for(params, backward=10e-3, alpha=1e-4, beta=2e-7), buffer_overhead=200e-3)
+    assert len(cut_by_cost(params, costs, *SPARSE)) == 1
 
 
 def test_latency_bound_link_gives_one_buffer():

@@ -222,7 +222,9 @@ def plan_agreement_run(fusion):
     engine = build_engine(model, fusion, "hybrid", buffer_bytes=800)
     rng = random.Random(dist.get_rank())
     profiler = engine._profiler
-    profiler.local_vector = lambda: [rng.uniform(1e-5, 1e-2) for _ in profiler.names] + [rng.uniform(0, 1e-4), rng.uniform(0, 1e-7)]
+    profiler.local_vector = lambda job_cpu_seconds=0.0: [rng.uniform(1e-5, 1e-2) for _ in profiler.names] + [
+        rng.uniform(0, 1e-4), rng.uniform(0, 1e-7), rng.uniform(0, 1e-3)
+    ]
     run_rounds(engine, model, rounds=4, seed=2)
     return engine.plan.fingerprint(), engine.costs.measured, engine.plan.notes
 

@@ -8,6 +8,7 @@ Different groups run concurrently (dense and sparse parts, successive buffers).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -41,6 +42,10 @@ class Channel:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ssfusion-comm{index}")
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.timeline = Timeline()
+        #: CPU seconds this channel's thread spent in buffer jobs, and their number: what each
+        #: buffer's collective takes from the cores the backward runs on (the cost model's overhead)
+        self.job_cpu_seconds = 0.0
+        self.jobs = 0
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args, group)`` on this channel; on CUDA it waits for the submitting stream first."""
@@ -53,6 +58,15 @@ class Channel:
         return self._executor.submit(self._run, fn, args, ready, buffer)
 
     def _run(self, fn: Callable[..., Any], args: Sequence[Any], ready: torch.cuda.Event | None, buffer: int | None) -> Completed:
+        started = time.thread_time()
+        try:
+            return self._run_job(fn, args, ready, buffer)
+        finally:
+            if buffer is not None:
+                self.job_cpu_seconds += time.thread_time() - started
+                self.jobs += 1
+
+    def _run_job(self, fn: Callable[..., Any], args: Sequence[Any], ready: torch.cuda.Event | None, buffer: int | None) -> Completed:
         with self.timeline.span("comm" if buffer is not None else "control", buffer):
             if self._stream is None:
                 return Completed(fn(*args, self.group), None)
@@ -86,6 +100,11 @@ class ChannelSet:
 
     def __len__(self) -> int:
         return len(self.channels)
+
+    def cpu_seconds_per_job(self) -> float:
+        """Mean CPU seconds of one buffer job over every channel so far (0 before any)."""
+        jobs = sum(channel.jobs for channel in self.channels)
+        return sum(channel.job_cpu_seconds for channel in self.channels) / jobs if jobs else 0.0
 
     def set_timeline(self, timeline: Timeline) -> None:
         """Record every channel's collectives on ``timeline``."""

@@ -328,7 +328,13 @@ class FusionEngine:
     def _launch_ready(self) -> None:
         buffers = self._buffers
         while self._next < len(buffers) and self._missing[self._next] == 0:
-            self._launch(buffers[self._next])
+            if self.profiling:
+                started = time.perf_counter()
+                self._launch(buffers[self._next])
+                self._profiler.launched(time.perf_counter() - started)
+                self._profiler.resume()  # the launch is not backward time
+            else:
+                self._launch(buffers[self._next])
             self._next += 1
 
     # ---------------------------------------------------------------- buffer -> sparsify -> communicate
@@ -578,7 +584,8 @@ class FusionEngine:
         """Measure the links on this group, then take every number's max over the ranks."""
         device = self.channels.device
         links = {name: measure_link(name, group, device) for name in ("allreduce", "allgather")}
-        return agree(self._profiler.local_vector(), self.names, links, self.world_size, group, device)
+        local = self._profiler.local_vector(self.channels.cpu_seconds_per_job())
+        return agree(local, self.names, links, self.world_size, group, device)
 
     def _health_vector(self, out: Tensor | None = None) -> Tensor:
         """One entry per rank, 1 at this rank when any of its gradients this round was non-finite

@@ -6,7 +6,10 @@ at ``R_i``: the backward up to it plus the compression of every sparse tensor up
 thread does both, per tensor in the hook or per buffer at its launch: the same sum either way).
 A buffer (a, b] starts its communication when its last tensor is ready and the link has finished
 the previous buffer, and takes the alpha-beta time of its dense all-reduce plus its sparse
-all-gather of k (value, position) pairs. With F(b) the earliest finish of the first b tensors,
+all-gather of k (value, position) pairs, plus the measured CPU overhead of one buffer (its launch
+and its collective's work on a channel thread: on a rank with one core, 40 buffers of resnet18
+made the backward 2.7x longer, experiments/results/timeline.md). With F(b) the earliest finish of
+the first b tensors,
 
     F(b) = min over a < b of  max(R_b, F(a)) + comm(a, b)
 
@@ -77,8 +80,10 @@ def cut_by_cost(
 
     def comm(a: int, b: int) -> float:
         size = element[b - 1]
-        return costs.dense_seconds(dense_numel[b] - dense_numel[a], size) + costs.sparse_seconds(
-            sparse_pairs[b] - sparse_pairs[a], size
+        return (
+            costs.buffer_overhead
+            + costs.dense_seconds(dense_numel[b] - dense_numel[a], size)
+            + costs.sparse_seconds(sparse_pairs[b] - sparse_pairs[a], size)
         )
 
     # finish[b], buffers[b], start[b]: the best cut of the first b tensors, its buffer count and
@@ -113,5 +118,6 @@ def modelled_finish(groups: Sequence[Sequence[Item]], costs: CostProfile, sparse
             dense += 0 if is_sparse else spec.numel
             sparse += k_of(spec) if is_sparse else 0
         size = group[-1][1].nbytes // max(1, group[-1][1].numel)
-        link_free = max(clock, link_free) + costs.dense_seconds(dense, size) + costs.sparse_seconds(sparse, size)
+        comm = costs.buffer_overhead + costs.dense_seconds(dense, size) + costs.sparse_seconds(sparse, size)
+        link_free = max(clock, link_free) + comm
     return link_free
