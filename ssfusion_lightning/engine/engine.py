@@ -418,17 +418,18 @@ class FusionEngine:
         """The buffer's pieces not made in the hooks: its small sparse tensors, in one batched
         selection, and those with no gradient on this rank (they send zeros, so every rank issues
         alike)."""
-        pieces, batch = self._pieces[buffer.index], []
+        pieces, batch, grads = self._pieces[buffer.index], [], []
         for j, slot in enumerate(buffer.slots):
             if pieces[j] is None:
-                if self._batched(slot) and self._grad(slot.param) is not None:
+                grad = self._grad(slot.param) if self._batched(slot) else None
+                if grad is not None:
                     batch.append(j)
+                    grads.append(grad)
                 else:
                     self._compress_slot(buffer, j)
         if not batch:
             return
         slots = [buffer.slots[j] for j in batch]
-        grads = [self._grad(slot.param) for slot in slots]
         ctx = self._context(buffer)
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
