@@ -92,7 +92,11 @@ def test_every_experiment_names_registered_components(name):
 def test_tiny_twin_trains_and_learns_on_two_ranks(name, pool2, tmp_path):
     """Each tiny twin runs its default steps on 2 ranks, and its training loss (logged every step)
     falls visibly: the mean of the last 3 steps is at most (1 - LEARNS) times the first step's."""
-    overrides = [f"experiment={name}", f"paths.output_dir={tmp_path}", "trainer.log_every_n_steps=1", *QUIET]
+    # a fixed buffer cap: under buffer_mb="auto" the plan (and selective's dense/sparse split with it)
+    # follows the timings measured on this host, and a 30-step loss check must not depend on them
+    overrides = [
+        f"experiment={name}", f"paths.output_dir={tmp_path}", "trainer.log_every_n_steps=1", "strategy.buffer_mb=25", *QUIET
+    ]
     cfg = compose_config(overrides)
     assert cfg.model.size == "tiny" and cfg.trainer.devices == 2
     steps = cfg.trainer.max_steps
