@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import pickle
+import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generator, Literal, Optional
@@ -37,6 +38,7 @@ from ssfusion_lightning.engine.timeline import Timeline
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, validate_density
+from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,11 @@ class SSFusionStrategy(DDPStrategy):
         offload: where sparsification runs: "none" | "thread" | "stream" | "auto" ("stream" needs CUDA
             devices; checked as soon as the Trainer has chosen the accelerator, before launching ranks).
         warmup_steps: dense steps before sparsification starts.
+        density_warmup_steps, density_warmup_epochs: length of Deep Gradient Compression's density
+            warm-up (at most one of them > 0; epochs count optimizer steps per epoch, known once
+            training starts): the density rises from dense to ``density`` along a geometric path
+            in ``density_warmup_stages`` stages (default 4: DGC's 25%, 6.3%, 1.6%, 0.4% before
+            0.1%; see ``sparsifiers/schedule.py``). The plan follows each stage on every rank.
         find_unused_parameters: as DDP's: a parameter that no rank used keeps ``.grad`` untouched.
         broadcast_buffers: as DDP's: module buffers (BatchNorm statistics) are broadcast from rank 0
             before each synchronized forward.
@@ -136,6 +143,9 @@ class SSFusionStrategy(DDPStrategy):
         process_groups: int = 2,
         offload: str = "auto",
         warmup_steps: int = 0,
+        density_warmup_steps: int = 0,
+        density_warmup_epochs: float = 0,
+        density_warmup_stages: int = 4,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -195,6 +205,17 @@ class SSFusionStrategy(DDPStrategy):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
+        self.density_warmup_steps = DensityWarmup(density_warmup_steps, density_warmup_stages).steps
+        self.density_warmup_stages = density_warmup_stages
+        epochs_ok = not isinstance(density_warmup_epochs, bool) and isinstance(density_warmup_epochs, (int, float))
+        if not (epochs_ok and math.isfinite(density_warmup_epochs) and density_warmup_epochs >= 0):
+            raise ValueError(f"density_warmup_epochs must be a number >= 0, got {density_warmup_epochs!r}")
+        if density_warmup_epochs and density_warmup_steps:
+            raise ValueError(
+                f"density_warmup_steps={density_warmup_steps!r} and density_warmup_epochs={density_warmup_epochs!r} "
+                "were both given; set the warm-up's length in one of them (the other 0)"
+            )
+        self.density_warmup_epochs = float(density_warmup_epochs)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.nonfinite = _choice("nonfinite policy", nonfinite, NONFINITE_POLICIES)
@@ -267,6 +288,9 @@ class SSFusionStrategy(DDPStrategy):
                 "process_groups": self.process_groups,
                 "offload": self.offload,
                 "warmup_steps": self.warmup_steps,
+                "density_warmup_steps": self.density_warmup_steps,
+                "density_warmup_epochs": self.density_warmup_epochs,
+                "density_warmup_stages": self.density_warmup_stages,
                 "find_unused_parameters": self.find_unused_parameters,
                 "nonfinite": self.nonfinite,
                 "comm_options": self.comm_options,
@@ -317,6 +341,10 @@ class SSFusionStrategy(DDPStrategy):
                 buffer_bytes=None if self.buffer_mb == "auto" else self.buffer_mb * 1024 * 1024,
                 first_buffer_bytes=None if self.first_buffer_mb is None else self.first_buffer_mb * 1024 * 1024,
                 warmup_steps=self.warmup_steps,
+                # the length in epochs becomes steps in on_train_start; until then, the first stage
+                density_warmup=DensityWarmup(
+                    sys.maxsize if self.density_warmup_epochs else self.density_warmup_steps, self.density_warmup_stages
+                ),
                 find_unused_parameters=self.find_unused_parameters,
                 offload=self.offload,
                 nonfinite=self.nonfinite,
@@ -337,6 +365,22 @@ class SSFusionStrategy(DDPStrategy):
             dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
             for _ in range(self.process_groups)
         ]
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.engine is not None and self.density_warmup_epochs:
+            steps = self._steps_per_epoch() * self.density_warmup_epochs
+            self.engine.set_density_warmup(DensityWarmup(max(1, round(steps)), self.density_warmup_stages))
+
+    def _steps_per_epoch(self) -> int:
+        trainer = self.lightning_module.trainer
+        batches = trainer.num_training_batches
+        if not math.isfinite(batches):
+            raise ValueError(
+                f"density_warmup_epochs={self.density_warmup_epochs!r} needs the number of batches per epoch, but the "
+                "training dataloader has no length; set density_warmup_steps instead"
+            )
+        return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
 
     def teardown(self) -> None:
         if self.engine is not None:

@@ -61,69 +61,79 @@ def test_the_formulas_the_hand_computations_rely_on():
 # --------------------------------------------------------------------------- selective: choose_threshold
 # One buffer of p0 (10 elements), p1 (20), p2 (1000): T = 1030. The candidates are tau = 0 and every
 # tensor size; tensors with n <= tau go dense. Budget: dense elements F <= density * T; a candidate
-# over the budget ends the search. The sparse tensors get density (density * T - F) / (T - F).
+# over the budget ends the search. The sparse tensors keep the requested density.
 #
 # density 0.1 (budget 103 elements), b_r = b_g = 1 ns/B, compression c = compress_fixed, no per-element
 # cost, allgather alpha a_g (every candidate pays it once), allreduce alpha a_r:
-#   tau = 0:    F = 0,  sparse density 0.1;            k = 1 + 2 + 100 = 103
-#               3c + a_g + 8 * 103 ns                = 3c + a_g + 0.824 us
-#   tau = 10:   F = 10, sparse density 93/1020;        k = floor(1.82) + floor(91.2) = 1 + 91 = 92
-#               2c + a_r + 4 * 10 ns + a_g + 8 * 92 ns = 2c + a_r + a_g + 0.776 us
-#   tau = 20:   F = 30, sparse density 73/1000 = 0.073; k = 73
-#               c + a_r + 4 * 30 ns + a_g + 8 * 73 ns  = c + a_r + a_g + 0.704 us
+#   tau = 0:    F = 0;  k = 1 + 2 + 100 = 103       3c + a_g + 8 * 103 ns                = 3c + a_g + 0.824 us
+#   tau = 10:   F = 10; k = 2 + 100 = 102          2c + a_r + 4 * 10 ns + a_g + 8 * 102 ns = 2c + a_r + a_g + 0.856 us
+#   tau = 20:   F = 30; k = 100                    c + a_r + 4 * 30 ns + a_g + 8 * 100 ns  = c + a_r + a_g + 0.920 us
 #   tau = 1000: F = 1030 > 103, over the budget.
-# tau = 20 always beats tau = 10 (by c + 0.072 us). tau = 20 beats tau = 0 when
-#   c + a_r + 0.704 < 3c + 0.824  <=>  a_r < 2c + 0.12 us.
+# tau = 20 beats tau = 10 whenever c > 0.064 us. tau = 20 beats tau = 0 when
+#   c + a_r + 0.920 < 3c + 0.824  <=>  a_r < 2c - 0.096 us.
 SELECTIVE_BUFFER = specs(10, 20, 1000)
 
 
 @pytest.mark.parametrize(
     ("compress_us", "allreduce_alpha_us", "tau", "sparse_density"),
     [
-        # flip in the compression cost at a_r = 50 us: tau = 20 iff 50 < 2c + 0.12 <=> c > 24.94 us
-        (24.0, 50.0, 0, 0.1),  # 3 * 24 + 0.824 = 72.824  <  24 + 50 + 0.704 = 74.704
-        (26.0, 50.0, 20, 0.073),  # 3 * 26 + 0.824 = 78.824  >  26 + 50 + 0.704 = 76.704
-        # flip in the allreduce latency at c = 30 us: tau = 20 iff a_r < 60.12 us
-        (30.0, 60.0, 20, 0.073),  # 90.824 > 30 + 60 + 0.704 = 90.704
-        (30.0, 60.3, 0, 0.1),  # 90.824 < 30 + 60.3 + 0.704 = 91.004
+        # flip in the compression cost at a_r = 50 us: tau = 20 iff 50 < 2c - 0.096 <=> c > 25.048 us
+        (24.0, 50.0, 0, 0.1),  # 3 * 24 + 0.824 = 72.824  <  24 + 50 + 0.920 = 74.920
+        (26.0, 50.0, 20, 0.1),  # 3 * 26 + 0.824 = 78.824  >  26 + 50 + 0.920 = 76.920
+        # flip in the allreduce latency at c = 30 us: tau = 20 iff a_r < 59.904 us
+        (30.0, 59.8, 20, 0.1),  # 90.824 > 30 + 59.8 + 0.920 = 90.720
+        (30.0, 60.0, 0, 0.1),  # 90.824 < 30 + 60 + 0.920 = 90.920
     ],
 )
 def test_selective_threshold_at_hand_computed_points(compress_us, allreduce_alpha_us, tau, sparse_density):
     costs = profile(compress_fixed_us=compress_us, allreduce_alpha_us=allreduce_alpha_us, allgather_alpha_us=50)
     chosen_tau, chosen_density = choose_threshold(SELECTIVE_BUFFER, 0.1, costs, build_sparsifier("topk", density=0.1))
     assert chosen_tau == tau
-    # The sparse tensors' density as selective computes it today (volume-neutral: the buffer still
-    # sends about density * T elements). This line, not the tau above, changes with that rule.
     assert chosen_density == pytest.approx(sparse_density)
+
+
+def test_selective_volume_neutral_option_lowers_the_sparse_density():
+    # The opt-in earlier rule: the sparse tensors get (density * T - F) / (T - F), so the buffer
+    # sends about density * T elements. At c = 26, a_r = 50 it picks tau = 20 (F = 30):
+    #   tau = 0:  3 * 26 + a_g + 0.824 = 78.824 + a_g
+    #   tau = 20: 26 + 50 + 0.120 + a_g + 8 * 73 ns = 76.704 + a_g   (k = floor(73 / 1000 * 1000))
+    costs = profile(compress_fixed_us=26, allreduce_alpha_us=50, allgather_alpha_us=50)
+    topk = build_sparsifier("topk", density=0.1)
+    assert choose_threshold(SELECTIVE_BUFFER, 0.1, costs, topk, volume_neutral=True) == (20, pytest.approx(0.073))
+    ctx = PlanContext(topk, 1 << 20, 1, 2, costs)
+    (buffer,) = FUSION_POLICIES.build("selective", volume_neutral=True).plan(SELECTIVE_BUFFER, ctx).buffers
+    assert buffer.sparse_slots[0].k == 73
+    with pytest.raises(ValueError, match="volume_neutral must be true or false, got 'yes'"):
+        FUSION_POLICIES.build("selective", volume_neutral="yes")
 
 
 def test_selective_threshold_stops_at_the_dense_budget():
     # density 0.01: budget 10.3 elements. tau = 20 (F = 30) is over it, so however expensive the
     # compression (c = 1000 us) the best allowed candidate is tau = 10 (F = 10):
-    #   tau = 0:  3c + a_g + 8 * (1 + 1 + 10) ns           = 3000 + a_g + 0.096 us
-    #   tau = 10: 2c + a_r + 0.040 + a_g + 8 * (1 + 1) ns  = 2000 + 50 + a_g + 0.056 us   <- least
-    # sparse density (10.3 - 10) / 1020 = 0.3 / 1020
+    #   tau = 0:  3c + a_g + 8 * (1 + 1 + 10) ns            = 3000 + a_g + 0.096 us
+    #   tau = 10: 2c + a_r + 0.040 + a_g + 8 * (1 + 10) ns  = 2000 + 50 + a_g + 0.128 us   <- least
+    # and the sparse tensors keep density 0.01
     costs = profile(compress_fixed_us=1000, allreduce_alpha_us=50, allgather_alpha_us=50)
     tau, density = choose_threshold(SELECTIVE_BUFFER, 0.01, costs, build_sparsifier("topk", density=0.01))
     assert tau == 10
-    assert density == pytest.approx(0.3 / 1020)
-    # with density 0.03 (budget 30.9) tau = 20 is allowed and wins: c + a_r + 0.120 + a_g + 8 * 1 ns
+    assert density == 0.01
+    # with density 0.03 (budget 30.9) tau = 20 is allowed and wins: c + a_r + 0.120 + a_g + 8 * 30 ns
     tau, density = choose_threshold(SELECTIVE_BUFFER, 0.03, costs, build_sparsifier("topk", density=0.03))
     assert tau == 20
-    assert density == pytest.approx(0.9 / 1000)
+    assert density == 0.03
 
 
 def test_selective_plan_applies_the_threshold():
     # The policy cuts one buffer (cap 1 MB) and plans it with choose_threshold's answer (c = 26 us,
     # a_r = 50 us: tau = 20, as in the second case above): p0, p1 dense, p2 sparse with
-    # k = floor(0.073 * 1000) = 73.
+    # k = floor(0.1 * 1000) = 100.
     costs = profile(compress_fixed_us=26, allreduce_alpha_us=50, allgather_alpha_us=50)
     ctx = PlanContext(build_sparsifier("topk", density=0.1), 1 << 20, 1, 2, costs)
     plan = FUSION_POLICIES.build("selective").plan(SELECTIVE_BUFFER, ctx)
     assert plan.notes["thresholds"] == [20]
     (buffer,) = plan.buffers
     assert [(slot.name, slot.sparse) for slot in buffer.slots] == [("p0", False), ("p1", False), ("p2", True)]
-    assert buffer.sparse_slots[0].k == 73  # the density rule of today (see above)
+    assert buffer.sparse_slots[0].k == 100
 
 
 # --------------------------------------------------------------------------- adaptive: adaptive_boundaries

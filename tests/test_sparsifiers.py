@@ -404,7 +404,7 @@ def test_dgc_honours_the_per_tensor_k():
     s = build_sparsifier("dgc", density=0.001)
     for k in (50, 700, 3000):
         _, idx = s.select(x, k=k)
-        assert 0.8 * k <= idx.numel() <= k
+        assert 0.9 * k <= idx.numel() <= k
 
 
 def test_gaussiank_threshold_on_gaussian_input_needs_no_correction():

@@ -242,6 +242,8 @@ RESUME_CASES = {
     # profiled, frozen plan + offload decisions must come back from the checkpoint
     "selective-auto-offload-dgc": dict(SPARSE, sparsifier="dgc", fusion="selective", offload="auto"),
     "adaptive-threshold-reuse": dict(SPARSE, sparsifier="threshold_reuse", fusion="adaptive", comm="allgather"),
+    # resumed in the middle of the warm-up, whose length in epochs is only known once training starts
+    "density-warmup-epochs": dict(SPARSE, density_warmup_epochs=2),
 }
 
 

@@ -61,6 +61,7 @@ class OkTopkState:
     threshold: float = 0.0
     exact_next: bool = True
     last_count: int = 0  # global number of entries kept in the last round
+    k: int = 0  # the k the threshold was found for: a new k (a density warm-up's stage) needs an exact one
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +70,7 @@ class OkTopkState:
             "threshold": self.threshold,
             "exact_next": self.exact_next,
             "last_count": self.last_count,
+            "k": self.k,
         }
 
     @classmethod
@@ -80,6 +82,7 @@ class OkTopkState:
             threshold=float(state.get("threshold", 0.0)),
             exact_next=bool(state.get("exact_next", True)),
             last_count=int(state.get("last_count", 0)),
+            k=int(state.get("k", 0)),
         )
 
 
@@ -240,7 +243,8 @@ def oktopk_reduce(
 
     # 2. global threshold
     magnitude = region_sum.abs()
-    exact = state.exact_next or state.rounds % threshold_every == 0
+    exact = state.exact_next or state.rounds % threshold_every == 0 or state.k != k
+    state.k = k
     if exact:
         local_top = torch.topk(magnitude, min(k, magnitude.numel()), sorted=False).values
         sizes = _all_gather_counts(local_top.numel(), group, device, traffic) if world > 1 else [local_top.numel()]

@@ -19,7 +19,7 @@ import math
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Collection, Sequence
 
 import torch
@@ -39,6 +39,7 @@ from ssfusion_lightning.engine.timeline import Timeline
 from ssfusion_lightning.fusion import CompressContext, Encoded, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier
+from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
 
 
 @dataclass
@@ -48,6 +49,9 @@ class EngineConfig:
     #: cap of the buffer that closes first in backward order (None: buffer_bytes)
     first_buffer_bytes: float | None = None
     warmup_steps: int = 0
+    #: the density ramp of the first steps (DGC's warm-up); its length may be set later, once
+    #: known (``set_density_warmup``): until then the first stage's density applies
+    density_warmup: DensityWarmup = field(default_factory=DensityWarmup)
     find_unused_parameters: bool = False
     offload: str = "none"
     #: rounds measured before cost-driven plans (and offload="auto") are frozen
@@ -170,6 +174,7 @@ class FusionEngine:
         # Sparse gradients must be summed exactly; Ok-Topk keeps only about k entries of a sum.
         self._coo_communicator = communicator if communicator.exact else COMMUNICATORS.build("allgather")
         self.world_size = dist.get_world_size(channels[0].group) if dist.is_initialized() else 1
+        memory.set_world_size(self.world_size)
         self.timeline = timeline if timeline is not None else Timeline()
         self.timeline.rank = dist.get_rank() if dist.is_initialized() else 0
         channels.set_timeline(self.timeline)
@@ -193,6 +198,8 @@ class FusionEngine:
         self._profile_start = max(1, config.warmup_steps)
         self._profile_end = self._profile_start + config.profile_steps if needs_profile else 0
         self._profiler = Profiler(self.names) if needs_profile else None
+        self.target_density = sparsifier.density
+        self._apply_density_schedule()
         self.set_plan(reversed_buffers(self._build_plan(list(range(len(self.params)))), len(channels)))
 
     # ---------------------------------------------------------------- plan
@@ -207,6 +214,28 @@ class FusionEngine:
             self.sparsifier, self.config.buffer_bytes, len(self.channels), self.world_size, costs, self.config.first_buffer_bytes
         )
         return self.policy.plan(self.specs(order), ctx)
+
+    def scheduled_density(self, step: int) -> float:
+        """The density the plan of ``step`` asks for: the warm-up's stage, then the target."""
+        if self.sparsifier.is_dense:
+            return self.target_density
+        return self.config.density_warmup.density(step, self.target_density)
+
+    def _apply_density_schedule(self) -> bool:
+        """Set the sparsifier to this step's density; True when it changed (the plan's k are stale).
+        A function of the step alone, so every rank changes at the same round."""
+        density = self.scheduled_density(self.step)
+        if density == self.sparsifier.density:
+            return False
+        self.sparsifier.set_density(density)
+        return True
+
+    def set_density_warmup(self, warmup: DensityWarmup) -> None:
+        """Between rounds: a new warm-up (its length in steps became known); re-plans when the
+        current step's density changed."""
+        self.config = replace(self.config, density_warmup=warmup)
+        if self._apply_density_schedule():
+            self.set_plan(self._build_plan(self.order, self.costs))
 
     def set_plan(self, plan: Plan) -> None:
         self.plan = plan
@@ -517,7 +546,11 @@ class FusionEngine:
         self.metrics.buffers += 1
         self.metrics.dense_tensors += len(buffer.dense_slots)
         self.metrics.sparse_tensors += len(buffer.sparse_slots)
-        self.metrics.elements_sent += buffer.dense_numel + (encoded.values.numel() if encoded.values is not None else 0)
+        selected = encoded.values.numel() if encoded.values is not None else 0
+        self.metrics.elements_sent += buffer.dense_numel + selected
+        if buffer.slots[0].param not in self._coo:
+            self.metrics.selected_elements += selected
+            self.metrics.sparse_numel += sum(slot.numel for slot in buffer.sparse_slots)
         return buffer, pending, encoded
 
     # ---------------------------------------------------------------- write gradients
@@ -567,7 +600,9 @@ class FusionEngine:
                 self._write_gradients(buffer, reduced, globally_used)
             self._count_traffic(buffer, reduced)
         self.sparsifier.advance()
+        self.metrics.requested_density = self.sparsifier.density if self.step >= self.config.warmup_steps else 1.0
         self.step += 1
+        density_changed = self._apply_density_schedule()
         metrics, self.metrics = self.metrics, StepMetrics()
         if ready_order is not None:
             self._rebuild_from_ready_order = False
@@ -576,6 +611,8 @@ class FusionEngine:
         elif self._profiler is not None and self.step == self._profile_end:
             self.costs = self._settle(self.channels[0].submit(self._agree_costs), "cost-model agreement")
             self._profiler = None
+            self.set_plan(self._build_plan(self.order, self.costs))
+        elif density_changed:
             self.set_plan(self._build_plan(self.order, self.costs))
         else:
             self._reset_round()
@@ -770,6 +807,8 @@ class FusionEngine:
             self.memory.load_state_dict(_to_device(state["memory"], device))
             if "communicator" not in fresh:
                 self.communicator.load_state_dict(_to_device(state["communicator"], device))
+        # the saved plan is the one of the saved step, made at that step's density
+        replan = self._apply_density_schedule() or replan
         # after the memory, so the new plan is set against the restored residuals
         self.set_plan(self._build_plan(self.order, self.costs) if replan else engine_state.decode_plan(state["plan"]))
 

@@ -22,6 +22,17 @@ class StepMetrics:
     sparse_tensors: int = 0
     elements_sent: int = 0
     skipped_steps: int = 0
+    #: elements this rank selected from the plan's sparse tensors (sparse-gradient parameters aside)
+    selected_elements: int = 0
+    #: elements of the plan's sparse tensors
+    sparse_numel: int = 0
+    #: the density the plan asked for at this step (the warm-up schedule's, when one is set)
+    requested_density: float = 0.0
+
+    @property
+    def effective_density(self) -> float:
+        """What the sparse tensors really sent: selected / their elements (0 with none sparse)."""
+        return self.selected_elements / self.sparse_numel if self.sparse_numel else 0.0
 
     def as_dict(self) -> dict[str, float]:
-        return {key: float(value) for key, value in asdict(self).items()}
+        return {**{key: float(value) for key, value in asdict(self).items()}, "effective_density": self.effective_density}

@@ -257,6 +257,10 @@ RESUME_RULES: dict[str, str] = {
     # offload decisions are re-derived from the plan and the agreed costs at every re-plan
     "offload": "apply",
     "warmup_steps": "apply",
+    # the schedule is a function of the step: the next step's density follows the new one
+    "density_warmup_steps": "replan",
+    "density_warmup_epochs": "replan",
+    "density_warmup_stages": "replan",
     "find_unused_parameters": "apply",
     "nonfinite": "apply",
 }

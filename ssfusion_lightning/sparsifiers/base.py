@@ -88,6 +88,11 @@ class Sparsifier(ABC):
     def k_for(self, numel: int) -> int:
         return k_for(numel, self.density)
 
+    def set_density(self, density: float) -> None:
+        """A new target for the counts of the next selections (a density warm-up's stage). Per-key
+        state made for another k (reused thresholds) renews itself at the next selection."""
+        self.density = validate_density(density)
+
     def resolve_k(self, numel: int, k: int | None) -> int:
         """The budget for one tensor: ``k`` when given (clamped to [1, numel]), else ``k_for(numel)``."""
         if numel <= 0:

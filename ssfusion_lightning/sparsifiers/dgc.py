@@ -25,14 +25,16 @@ class DGCSparsifier(ThresholdSparsifier):
        tensors) at well-spread positions that change with the step and the tensor.
     2. Threshold = the ceil(k/n * sample)-th largest sampled magnitude (the budget's own density,
        so a fusion policy's per-tensor k is honoured; never the sample size as k).
-    3. Select ``|x| >= threshold``. If the count is outside [0.8k, 1.25k], adjust the threshold
+    3. Select ``|x| >= threshold``. If the count is outside [0.9k, 1.25k], adjust the threshold
        at most ``max_adjust`` times (``selection.search_threshold``: x0.5 down / x1.5 up until
        the band is bracketed, then interpolation inside the bracket); raising it is counted
        inside the already-selected set, only lowering it costs another pass.
     4. Trim to at most k by exact top-k among the selected elements.
 
-    Count band: (0.8, 1.0) x k -- never more than k; fewer than 0.8k only when ``max_adjust``
+    Count band: (0.9, 1.0) x k -- never more than k; fewer than 0.9k only when ``max_adjust``
     rounds did not suffice (ties, e.g. mostly-zero tensors), and always at least one element.
+    (A wider band saves adjust passes but sends less than asked: on random tensors of 2^14 to 2^20
+    elements, 0.8 sent 95% of k at density 1%, 0.9 sends 98%.)
 
     ``select_many`` draws the samples of all the tensors of a buffer (the same positions as
     ``select``) into one batch, ranks them together and makes the first count of every tensor in
@@ -40,7 +42,7 @@ class DGCSparsifier(ThresholdSparsifier):
     """
 
     name = "dgc"
-    count_band = (0.8, 1.0)
+    count_band = (0.9, 1.0)
 
     def __init__(
         self,
@@ -74,7 +76,7 @@ class DGCSparsifier(ThresholdSparsifier):
         return kth_largest(sample, math.ceil(k * size / n))
 
     def band(self, k: int) -> tuple[float, float, float]:
-        return 0.8 * k, 1.25 * k, k
+        return 0.9 * k, 1.25 * k, k
 
     def select(self, tensor: Tensor, *, key: str = "", k: int | None = None) -> tuple[Tensor, Tensor]:
         flat = tensor.reshape(-1)

@@ -22,6 +22,7 @@ key's state is dropped and the same error raised. ``load_state_dict`` refuses no
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
@@ -64,6 +65,10 @@ class Memory(ABC):
 
     def residual(self, key: str) -> Tensor | None:
         """The mass this rank still owes for ``key`` (None when nothing is stored)."""
+        return None
+
+    def set_world_size(self, world_size: int) -> None:
+        """The number of ranks whose gradients are summed (the engine's, set once)."""
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -193,7 +198,8 @@ class ResidualMemory(Memory):
 class DGCMemory(Memory):
     """Deep Gradient Compression's momentum correction with optional local gradient clipping.
 
-    Per key: g <- clip(g) (scaled to L2 norm ``clip_norm`` when larger; None/0 disables);
+    Per key: g <- clip(g) (scaled to L2 norm ``clip_norm / sqrt(P)`` when larger, DGC's local
+    clipping: P ranks' gradients of that norm sum to about ``clip_norm``; None/0 disables);
     u <- momentum * u + g; v <- v + u; select from v; then u and v are zeroed at the sent
     positions (momentum factor masking). The sent values are the accumulated velocity, so use
     the optimizer WITHOUT its own momentum. ``compensate`` computes the new u and v as temporaries;
@@ -214,15 +220,20 @@ class DGCMemory(Memory):
             raise ValueError(f"clip_norm must be None or a number >= 0, got {clip_norm!r}")
         self.momentum = float(momentum)
         self.clip_norm = float(clip_norm) if clip_norm else None
+        self.world_size = 1
         self.momenta: dict[str, Tensor] = {}
         self.velocities: dict[str, Tensor] = {}
         self._clip_factors: dict[str, float] = {}  # taken by compensate, reused by the update that commits
+
+    def set_world_size(self, world_size: int) -> None:
+        self.world_size = world_size
 
     def _clip_factor(self, grad: Tensor, loss_scale: Tensor | None) -> float | None:
         if self.clip_norm is None:
             return None
         norm = float(torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype)))
-        limit = self.clip_norm if loss_scale is None else self.clip_norm * float(loss_scale)  # clip_norm is unscaled
+        local = self.clip_norm / math.sqrt(self.world_size)
+        limit = local if loss_scale is None else local * float(loss_scale)  # clip_norm is unscaled
         return limit / norm if norm > limit else None
 
     def _clipped(self, key: str, grad: Tensor, loss_scale: Tensor | None, commit: bool) -> Tensor:
