@@ -252,3 +252,43 @@ def test_a_commit_does_not_depend_on_the_selection_temporary(memory_name):
         unpaired.update("w", grad, sent)
         for part, tensors in paired.state_dict().items():
             assert all(torch.equal(tensors[k], unpaired.state_dict()[part][k]) for k in tensors)
+
+
+def test_dgc_memory_dense_and_sparse_rounds_by_hand():
+    """A dense slot sends v + u with u = m*u + g and keeps u unmasked (every position was sent):
+    momentum applied once, never twice, never lost; a later sparse round starts from that u."""
+    m = 0.5
+    memory = build_memory("dgc", momentum=m)
+    grads = integer_grads((6,), 6, 4)
+    u = torch.zeros(6, dtype=torch.float64)
+    v = torch.zeros(6, dtype=torch.float64)
+    # sparse, sparse, dense, dense, sparse, dense: a re-plan or a warm-up switches the slot's kind
+    rounds = [torch.tensor([1]), torch.tensor([2, 4]), None, None, torch.tensor([0]), None]
+    for grad, sent in zip(grads, rounds):
+        u = m * u + grad
+        v = v + u
+        if sent is None:
+            assert torch.equal(memory.compensate_dense("w", grad), v)  # what is owed goes out with it
+            memory.settle_dense("w", grad)
+            v = torch.zeros(6, dtype=torch.float64)
+            assert torch.equal(memory.momenta["w"], u) and memory.residual("w") is None
+        else:
+            assert torch.equal(memory.compensate("w", grad), v)
+            memory.update("w", grad, sent)
+            u[sent] = 0
+            v[sent] = 0
+            assert torch.equal(memory.momenta["w"], u) and torch.equal(memory.residual("w"), v)
+
+
+def test_dgc_memory_on_a_dense_slot_is_sgd_momentum():
+    """Sent every round, the dgc memory's output is torch's SGD momentum buffer, bit for bit."""
+    m = 0.9
+    memory = build_memory("dgc", momentum=m)
+    param = torch.zeros(5, requires_grad=True)
+    sgd = torch.optim.SGD([param], lr=1.0, momentum=m)
+    for grad in integer_grads((5,), 5, 5, torch.float32):
+        sent = memory.compensate_dense("w", grad)
+        memory.settle_dense("w", grad)
+        param.grad = grad.clone()
+        sgd.step()
+        assert torch.equal(sent, sgd.state[param]["momentum_buffer"])

@@ -1,0 +1,325 @@
+"""Time to accuracy on real data, on the emulated cluster: DDP, DDP + fp16, DDP + PowerSGD (ranks 1
+and 4) and every preset at density 1% and 0.1% (0.1% with DGC's density warm-up), per P and link.
+
+    python -m experiments.bench_tta                     # the full run (see --help for its size)
+    python -m experiments.bench_tta --quick             # smoke run: P = 2, one link, few steps
+    python -m experiments.bench_tta --from-raw          # tables, plots and REPORT block from tta_raw.jsonl
+
+Every run trains the workload's model from the same seed for the same number of steps and
+evaluates every rank's model on the whole validation split every ``--eval-every`` steps (that time
+is left out of the clock). Per (P, link, workload) the target is dense DDP's final validation
+accuracy (or loss, for the language model); per scheme the table gives the wall-clock time and
+the steps to reach it (the first evaluation point at or past it, clock = the sum of the step times
+before it), the speed-up over DDP and over the better PowerSGD, and the final accuracy after the
+same steps. The real data sets ship inside packages (``pip install .[realdata]``); nothing is
+downloaded.
+
+Outputs under --out (default experiments/results): tta_raw.jsonl (every run), tta_curve.csv (every
+evaluation point with its clock), tta.csv / tta.md (time to accuracy), tta_targets.md, one
+tta_<workload>.png per workload (accuracy against wall-clock time per scheme), and the block
+between the tta markers in experiments/REPORT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from experiments.bench_e2e import RESULTS, _fmt, rate_label, rate_mbit, read_csv, run_world, update_report, write_csv
+
+DDP_BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd4")
+POWERSGD = ("ddp_powersgd", "ddp_powersgd4")
+PRESETS = ("ssfusion", "safusion", "adtopk", "zen", "oktopk")
+DENSITIES = (0.01, 0.001)
+#: what "accuracy" means per workload kind: the metric, and whether larger is better
+TARGET_METRIC = {"digits": ("val_acc", True), "text": ("val_loss", False)}
+
+CURVE_FIELDS = ["world", "rate", "workload", "label", "scheme", "density", "step", "seconds", "val_loss", "val_acc"]
+TTA_FIELDS = [
+    "world", "rate", "workload", "label", "metric", "target", "steps_to_target", "seconds_to_target", "x_ddp",
+    "x_best_powersgd", "final", "final_minus_ddp", "worst_gap_from_quarter", "step_ms", "total_seconds",
+]
+
+
+def label_of(scheme: str, density: float | None) -> str:
+    return scheme if density is None else f"{scheme}@{density * 100:g}%"
+
+
+def build_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (workload, scheme, density) run of one phase; presets get their density as overrides."""
+    runs = []
+    for workload in args.workloads:
+        steps = args.steps[workload]
+        eval_at = sorted({*range(args.eval_every, steps, args.eval_every), steps})
+        base = {"workload": workload, "rep": 0, "seed": args.seed, "steps": steps, "warmup": 0, "eval": True, "eval_at": eval_at}
+        for scheme in args.baselines:
+            runs.append({**base, "scheme": scheme, "label": label_of(scheme, None), "density": None})
+        for scheme in args.presets:
+            for density in args.densities:
+                overrides: dict[str, Any] = {"density": density}
+                if density < 0.01 and args.warmup_epochs > 0:
+                    overrides["density_warmup_epochs"] = args.warmup_epochs
+                runs.append({**base, "scheme": scheme, "label": label_of(scheme, density), "density": density,
+                             "overrides": overrides})
+    return runs
+
+
+# =========================================================================== analysis
+def curve_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every evaluation point with its clock: the wall time of the steps before it."""
+    rows = []
+    for run in runs:
+        if run.get("error"):
+            continue
+        seconds = run.get("step_seconds") or []
+        for point in run.get("eval_curve") or []:
+            rows.append({
+                "world": run["world"], "rate": run["phase"], "workload": run["workload"], "label": run["label"],
+                "scheme": run["scheme"], "density": run.get("density") or "", "step": point["step"],
+                "seconds": sum(seconds[: point["step"]]), "val_loss": point["val_loss"], "val_acc": point["val_acc"],
+            })
+    return rows
+
+
+def _reached(value: float, target: float, larger_is_better: bool) -> bool:
+    return value >= target if larger_is_better else value <= target
+
+
+def time_to_accuracy(curve: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    groups: dict[tuple, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for row in curve:
+        groups[(int(row["world"]), row["rate"], row["workload"])][row["label"]].append(row)
+    step_ms = {
+        (r["world"], r["phase"], r["workload"], r["label"]): 1e3 * sorted(r["step_seconds"])[len(r["step_seconds"]) // 2]
+        for r in runs if not r.get("error") and r.get("step_seconds")
+    }
+    table = []
+    for (world, rate, workload), by_label in sorted(groups.items(), key=lambda kv: (kv[0][0], -rate_mbit(kv[0][1]), kv[0][2])):
+        metric, larger = TARGET_METRIC.get(workload, ("val_acc", True))
+        ddp = sorted(by_label.get("ddp", []), key=lambda r: int(r["step"]))
+        if not ddp:
+            continue
+        target = float(ddp[-1][metric])
+        reached: dict[str, tuple[int, float] | None] = {}
+        for label, points in by_label.items():
+            points.sort(key=lambda r: int(r["step"]))
+            hit = next((p for p in points if _reached(float(p[metric]), target, larger)), None)
+            reached[label] = (int(hit["step"]), float(hit["seconds"])) if hit else None
+        ddp_time = reached["ddp"][1] if reached.get("ddp") else None
+        powersgd = [reached[s][1] for s in POWERSGD if reached.get(s)]
+        best_powersgd = min(powersgd) if powersgd else None
+        for label, points in sorted(by_label.items(), key=lambda kv: _label_order(kv[0])):
+            final = float(points[-1][metric])
+            quarter = int(points[-1]["step"]) / 4
+            gaps = [
+                (float(p[metric]) - float(d[metric])) * (1 if larger else -1)
+                for p, d in zip(points, ddp) if int(p["step"]) >= quarter and p["step"] == d["step"]
+            ]
+            hit = reached[label]
+            table.append({
+                "world": world, "rate": rate, "workload": workload, "label": label, "metric": metric, "target": target,
+                "steps_to_target": hit[0] if hit else None, "seconds_to_target": hit[1] if hit else None,
+                "x_ddp": ddp_time / hit[1] if hit and ddp_time and hit[1] > 0 else None,
+                "x_best_powersgd": best_powersgd / hit[1] if hit and best_powersgd and hit[1] > 0 else None,
+                "final": final, "final_minus_ddp": (final - float(ddp[-1][metric])) * (1 if larger else -1),
+                "worst_gap_from_quarter": min(gaps) if gaps else None,
+                "step_ms": step_ms.get((world, rate, workload, label)),
+                "total_seconds": float(points[-1]["seconds"]),
+            })
+    return table
+
+
+def _label_order(label: str) -> tuple[int, str]:
+    scheme = label.split("@")[0]
+    order = (*DDP_BASELINES, *PRESETS)
+    return (order.index(scheme) if scheme in order else len(order), label)
+
+
+def targets(table: list[dict[str, Any]], args_densities: tuple[float, ...] = DENSITIES) -> list[dict[str, Any]]:
+    """The issue's targets, checked on every (P, link, workload) the table has."""
+    rows = []
+    for row in table:
+        scheme, _, density = row["label"].partition("@")
+        if scheme not in PRESETS:
+            continue
+        points = 100.0 if row["metric"] == "val_acc" else 1.0  # accuracy in points, loss as it is
+        key = f"P={row['world']} {rate_label(row['rate'])} {row['workload']} {row['label']}"
+        if density == "1%" and row["worst_gap_from_quarter"] is not None:
+            gap = row["worst_gap_from_quarter"] * points
+            rows.append({"check": "within 0.3 points of DDP at every evaluation from a quarter on", "case": key,
+                         "value": f"{gap:+.2f}", "met": gap >= -0.3})
+        if density == "0.1%":
+            gap = row["final_minus_ddp"] * points
+            rows.append({"check": "within 1 point of DDP at the end (density warm-up)", "case": key,
+                         "value": f"{gap:+.2f}", "met": gap >= -1.0})
+        if scheme == "ssfusion" and row["world"] == 4 and rate_mbit(row["rate"]) <= 40:
+            for field, need in (("x_ddp", 3.0), ("x_best_powersgd", 1.2)):
+                value = row[field]
+                rows.append({"check": f"time to DDP's accuracy: {field} >= {need}", "case": key,
+                             "value": "not reached" if value is None else f"{value:.2f}",
+                             "met": value is not None and value >= need})
+    return rows
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return "-" if value is None or value == "" else fmt.format(value)
+
+
+def markdown(table: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
+    lines = []
+    for key in sorted({(r["world"], r["rate"], r["workload"]) for r in table}, key=lambda k: (k[2], k[0], -rate_mbit(k[1]))):
+        rows = [r for r in table if (r["world"], r["rate"], r["workload"]) == key]
+        metric = rows[0]["metric"]
+        scale, unit = (100.0, "%") if metric == "val_acc" else (1.0, "")
+        lines += [
+            f"#### {key[2]}, P = {key[0]}, link {rate_label(key[1])}: target = DDP's final {metric} "
+            f"{rows[0]['target'] * scale:.2f}{unit}",
+            "",
+            "| scheme | steps to target | time to target (s) | x DDP | x best PowerSGD | final | final - DDP | worst gap from 1/4 on | step (ms) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['label']} | {_cell(r['steps_to_target'], '{}')} | {_cell(r['seconds_to_target'], '{:.1f}')} | "
+                f"{_cell(r['x_ddp'], '{:.2f}')} | {_cell(r['x_best_powersgd'], '{:.2f}')} | "
+                f"{r['final'] * scale:.2f}{unit} | {r['final_minus_ddp'] * scale:+.2f} | "
+                f"{_cell(None if r['worst_gap_from_quarter'] is None else r['worst_gap_from_quarter'] * scale, '{:+.2f}')} | "
+                f"{_cell(r['step_ms'], '{:.0f}')} |"
+            )
+        lines.append("")
+    if checks:
+        met = sum(c["met"] for c in checks)
+        lines += [f"#### Targets: {met} of {len(checks)} met", "", "| check | case | value | met |", "|---|---|---|---|"]
+        lines += [f"| {c['check']} | {c['case']} | {c['value']} | {'yes' if c['met'] else 'NO'} |" for c in checks]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(curve: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
+    """Per workload: validation accuracy (loss for the LM) against wall-clock time, one panel per (P, link)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for workload in sorted({r["workload"] for r in curve}):
+        rows = [r for r in curve if r["workload"] == workload]
+        metric, _ = TARGET_METRIC.get(workload, ("val_acc", True))
+        panels = sorted({(int(r["world"]), r["rate"]) for r in rows}, key=lambda k: (k[0], -rate_mbit(k[1])))
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.4), squeeze=False)
+        for ax, (world, rate) in zip(axes[0], panels):
+            series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+            for r in rows:
+                if (int(r["world"]), r["rate"]) == (world, rate):
+                    value = float(r[metric]) * (100 if metric == "val_acc" else 1)
+                    series[r["label"]].append((float(r["seconds"]), value))
+            for label, points in sorted(series.items(), key=lambda kv: _label_order(kv[0])):
+                points.sort()
+                scheme = label.split("@")[0]
+                style = "-" if scheme in DDP_BASELINES or label.endswith("@1%") else "--"
+                width = 2.6 if scheme in ("ddp", "ssfusion") else 1.2
+                ax.plot([x for x, _ in points], [y for _, y in points], style, marker="o", markersize=2.5, linewidth=width,
+                        label=label)
+            ax.set_xlabel("wall-clock seconds (evaluation excluded)")
+            ax.set_ylabel("validation accuracy, %" if metric == "val_acc" else "validation loss")
+            ax.set_title(f"{workload}, P = {world}, link {rate_label(rate)}")
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=6.5, ncol=2)
+        fig.tight_layout()
+        path = out / f"{stem}_{workload}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def analyze(runs: list[dict[str, Any]], out: Path, stem: str, update: bool, meta: dict[str, Any]) -> str:
+    curve = curve_rows(runs)
+    write_csv(out / f"{stem}_curve.csv", CURVE_FIELDS, [{k: _fmt(v) for k, v in r.items()} for r in curve])
+    table = time_to_accuracy(curve, runs)
+    write_csv(out / f"{stem}.csv", TTA_FIELDS, [{k: _fmt(v) for k, v in r.items()} for r in table])
+    checks = targets(table)
+    text = markdown(table, checks)
+    failed = [f"{r['workload']} {r['label']} P={r['world']} {r['phase']}" for r in runs if r.get("error")]
+    if failed:
+        text += "\nFailed runs: " + ", ".join(failed) + "\n"
+    (out / f"{stem}.md").write_text(text)
+    plots = plot(curve, out, stem) if curve else []
+    if update:
+        command = "python -m experiments.bench_tta " + " ".join(meta.get("argv") or [])
+        block = (f"Command: `{command.strip()}` ({meta.get('cpus')} cores, {meta.get('wall_seconds', 0) / 60:.0f} min). "
+                 f"Plots: {', '.join(f'[results/{p.name}](results/{p.name})' for p in plots)}.\n\n{text}")
+        update_report(block, marker=stem)
+    return text
+
+
+# =========================================================================== main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: P = 2, one link, few steps")
+    parser.add_argument("--from-raw", action="store_true", help="only rebuild tables, plots and the REPORT block")
+    parser.add_argument("--worlds", type=int, nargs="+", default=None)
+    parser.add_argument("--rates", nargs="+", default=None, help="tc rates of the links, e.g. 40mbit 300mbit")
+    parser.add_argument("--workloads", nargs="+", default=None, choices=sorted(TARGET_METRIC))
+    parser.add_argument("--baselines", nargs="+", default=list(DDP_BASELINES), choices=DDP_BASELINES)
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
+    parser.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
+    parser.add_argument("--warmup-epochs", type=float, default=1.0,
+                        help="DGC density warm-up of the runs below 1%% density, in epochs (0: none)")
+    parser.add_argument("--steps", type=json.loads, default=None, help='steps per workload, JSON (e.g. \'{"digits": 120}\')')
+    parser.add_argument("--eval-every", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--delay", default=None, help="one-way delay per node (e.g. 0.1ms)")
+    parser.add_argument("--nice", type=int, default=-5)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per world size")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--name", default=None, help="file stem (default tta, quick: tta_quick)")
+    parser.add_argument("--no-report", action="store_true")
+    args = parser.parse_args(argv)
+
+    stem = args.name or ("tta_quick" if args.quick else "tta")
+    out = args.out or (Path(tempfile.gettempdir()) / "ssf_tta_quick" if args.quick else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    update = not args.no_report and not args.quick and out.resolve() == RESULTS.resolve()
+    if args.from_raw:
+        runs = [json.loads(line) for line in (out / f"{stem}_raw.jsonl").read_text().splitlines()]
+        meta_path = out / f"{stem}_meta.json"
+        print(analyze(runs, out, stem, update, json.loads(meta_path.read_text()) if meta_path.exists() else {}))
+        return 0
+
+    args.worlds = args.worlds or ([2] if args.quick else [2, 4])
+    args.rates = args.rates or (["40mbit"] if args.quick else ["40mbit", "300mbit"])
+    args.workloads = args.workloads or (["digits"] if args.quick else ["digits", "text"])
+    args.steps = {"digits": 8 if args.quick else 240, "text": 8 if args.quick else 240, **(args.steps or {})}
+    args.eval_every = args.eval_every or (4 if args.quick else 20)
+    from experiments.cluster import probe_support
+
+    support = probe_support()
+    if not support.get("usable"):
+        print(f"the emulated cluster cannot run here: {support.get('reason', support)}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    runs: list[dict[str, Any]] = []
+    phases = [{"label": rate, "runs": build_runs(args)} for rate in args.rates]
+    with tempfile.TemporaryDirectory(prefix="ssf_tta_") as tmp:
+        for world in args.worlds:
+            runs += run_world(world, phases, args, Path(tmp))
+            (out / f"{stem}_raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    meta = {"argv": sys.argv[1:] if argv is None else argv, "cpus": os.cpu_count(), "wall_seconds": time.monotonic() - started,
+            "worlds": args.worlds, "rates": args.rates, "steps": args.steps, "eval_every": args.eval_every}
+    (out / f"{stem}_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(analyze(runs, out, stem, update, meta))
+    return 1 if any(r.get("error") for r in runs) or not runs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
