@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -119,7 +120,10 @@ def test_tiny_twin_trains_and_learns_on_two_ranks(name, pool2, tmp_path):
     with open(tmp_path / "csv" / "metrics.csv") as handle:
         losses = [float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")]
     assert len(losses) == steps
-    last = sum(losses[-3:]) / 3
+    # the median of the last 5: a deep twin at lr 0.1 has single-step spikes (resnet152's reached 3x
+    # the loss around them, before and after issue 15's density changes), which a mean of the last 3
+    # can land on
+    last = statistics.median(losses[-5:])
     assert last <= (1 - LEARNS) * losses[0], f"{name}: loss {losses[0]:.3f} -> {last:.3f} in {steps} steps"
 
 
