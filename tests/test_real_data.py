@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ssfusion_lightning.app.builders import build_datamodule as build_from_config
 from ssfusion_lightning.app.config import compose_config
@@ -213,8 +214,17 @@ def test_configs_point_the_same_modules_at_a_users_files(tmp_path):
     assert isinstance(build_datamodule("digits", path=str(digits_file)), Digits)
 
 
+@pytest.fixture
+def leaves_no_process_group():
+    """A 1-process job under the ssfusion strategy initializes a gloo group in this process, and
+    Lightning leaves it: later tests in this process must find none (tests/workloads.py reads it)."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("data", ["digits", "text"])
-def test_a_job_trains_on_a_users_file(tmp_path, data):
+def test_a_job_trains_on_a_users_file(tmp_path, data, leaves_no_process_group):
     """The command line's job (1 process, the ssfusion strategy) on a file of the user's."""
     from ssfusion_lightning.train import run
 
