@@ -347,7 +347,10 @@ def test_mlm_collator_masking_rates():
 
 def test_available_datasets():
     assert available_datasets() == sorted(
-        ["cifar10", "cifar100", "imagenet", "mnist", "synthetic_images", "synthetic_tokens", "wikitext2", "wikitext103"]
+        [
+            "cifar10", "cifar100", "digits", "imagenet", "mnist", "synthetic_images", "synthetic_tokens", "text",
+            "wikitext2", "wikitext103",
+        ]
     )
 
 
