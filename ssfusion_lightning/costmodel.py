@@ -14,19 +14,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ssfusion_lightning.commcost import Link, Links
+
 #: the allgather scheme sends positions as int32 (every fusion buffer has < 2**31 elements)
 INDEX_BYTES = 4
-
-
-@dataclass(frozen=True)
-class Link:
-    """alpha-beta model of one collective: seconds = alpha + beta * bytes (bytes per rank)."""
-
-    alpha: float
-    beta: float
-
-    def seconds(self, nbytes: float) -> float:
-        return self.alpha + self.beta * nbytes if nbytes > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +33,9 @@ class CostProfile:
     #: CPU seconds one more buffer costs (its pack and launch on the main thread, its collective's
     #: work on a channel thread): on a rank with few cores it is taken from the backward
     buffer_overhead: float = 0.0
+    #: how far the ranks' selections spread (see ``commcost.expected_nonzeros``): 1 for independent
+    #: selections (the assumption until measured), 0 when every rank selects the same positions
+    selection_spread: float = 1.0
 
     def compress_seconds(self, numel: int) -> float:
         return self.compress_fixed + self.compress_per_element * numel
@@ -58,6 +52,10 @@ class CostProfile:
 
     def backward_seconds(self, name: str) -> float:
         return self.backward.get(name, 0.0)
+
+    def links(self) -> Links:
+        """Every collective kind's alpha-beta on the profile's groups (see ``Links.measured``)."""
+        return Links.measured(self.world_size, self.allreduce, self.allgather)
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -144,10 +142,18 @@ def measure_link(
 
 
 def agree(
-    local: list[float], names: Sequence[str], links: dict[str, Link], world_size: int, group: dist.ProcessGroup | None, device: torch.device
+    local: list[float],
+    names: Sequence[str],
+    links: dict[str, Link],
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    selection_spread: float = 1.0,
 ) -> CostProfile:
-    """Elementwise max over ranks of every measured number, so all ranks hold the same profile."""
+    """Elementwise max over ranks of every measured number, so all ranks hold the same profile
+    (for the selections' spread the max is the cautious side: more nonzeros in the sums)."""
     values = local + [links["allreduce"].alpha, links["allreduce"].beta, links["allgather"].alpha, links["allgather"].beta]
+    values.append(selection_spread)
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -160,6 +166,7 @@ def agree(
         buffer_overhead=agreed[n + 2],
         allreduce=Link(agreed[n + 3], agreed[n + 4]),
         allgather=Link(agreed[n + 5], agreed[n + 6]),
+        selection_spread=agreed[n + 7],
         world_size=world_size,
         measured=True,
     )
