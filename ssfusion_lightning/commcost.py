@@ -16,7 +16,8 @@ the nonzeros of the sum, measures how much the ranks' selections overlap (``expe
     zen                        all_to_all of counts and of (P-1)/P k (v+x) pairs, allgather of
                                counts and of (P-1)/P min(N/8 + K v, K (v+x)) (bitmap or COO pull)
     sparcml                    recursive doubling: 2 point-to-point messages per round, the set
-                               after r rounds the union of 2^r selections; a fold when P != 2^q
+                               after r rounds the union of 2^r selections (as overlapping as K
+                               says); a fold when P != 2^q
     oktopk                     all_to_all of counts and of (P-1)/P k (v+x) pairs, allgather of the
                                threshold grid's counts, all_to_all balance and allgather of the
                                kept entries (<= 3(P-1)/P k (v+x) in all), plus the exact threshold's
@@ -38,6 +39,8 @@ COUNT_BYTES = 8
 #: Ok-Topk's reused-threshold grid (see comm/oktopk.py): one count per grid step and rank
 OKTOPK_GRID = 24
 OKTOPK_THRESHOLD_EVERY = 32
+#: below this fraction of N, a difference of expected nonzeros is float rounding, not overlap
+ROUNDING = 1e-9
 
 
 @dataclass(frozen=True)
@@ -120,12 +123,14 @@ def expected_nonzeros(numel: int, k: float, world: int, spread: float = 1.0) -> 
 def measured_spread(samples: Sequence[tuple[int, int, float]], world: int) -> float | None:
     """The spread that explains the measured (numel, k, K) samples in total (clamped to [0, 1]);
     None when no sample can tell (a single rank, or k = numel everywhere)."""
+    if world <= 1:
+        return None
     gained = possible = 0.0
     for numel, k, nonzeros in samples:
         k = min(k, numel)
         gained += nonzeros - k
         possible += independent_nonzeros(numel, k, world) - k
-    if possible <= 0:
+    if possible <= ROUNDING * sum(numel for numel, _, _ in samples):
         return None
     return min(1.0, max(0.0, gained / possible))
 
@@ -145,21 +150,26 @@ def zen_seconds(shape: BufferShape, links: Links, nonzeros: float) -> float:
     return latency + links.alltoall.beta * share * shape.k * shape.pair + links.allgather.beta * share * pull
 
 
+def union_of(members: float, numel: int, k: float, world: int, nonzeros: float) -> float:
+    """Expected union of ``members`` of the ranks' selections when all ``world`` of them sum to
+    ``nonzeros`` entries: the spread that K implies, applied to ``members`` selections."""
+    possible = independent_nonzeros(numel, k, world) - k
+    spread = (nonzeros - k) / possible if possible > ROUNDING * numel else 1.0
+    return min(float(numel), max(0.0, k + spread * (independent_nonzeros(numel, k, members) - k)))
+
+
 def sparcml_seconds(shape: BufferShape, links: Links, nonzeros: float, bounded: bool = False) -> float:
     """Recursive doubling over P' = 2^floor(log2 P) ranks, each set the union of the selections it
-    has absorbed, estimated from K as U(m) = N (1 - (1 - K/N)^(m/P)); P > P' adds the fold and the
-    send-back. ``bounded``: counts are bounded by k, so a rank's own selection travels with its
-    header and the first doubling round (at P = P') and the fold take one message instead of two."""
+    has absorbed (``union_of``); P > P' adds the fold and the send-back. ``bounded``: counts are
+    bounded by k, so a rank's own selection travels with its header and the first doubling round
+    (at P = P') and the fold take one message instead of two."""
     p, n, link = links.world, shape.sparse, links.p2p
-
-    def union(members: float) -> float:
-        return n * (1.0 - (1.0 - min(nonzeros, n) / n) ** (members / p)) if n else 0.0
-
     core = 1 << (p.bit_length() - 1)
     seconds, members = 0.0, p / core  # after the fold a core rank holds P/P' selections
     while members < p:
         first = members == p / core
-        seconds += (1 if bounded and first and core == p else 2) * link.alpha + link.beta * union(members) * shape.pair
+        union = union_of(members, n, shape.k, p, nonzeros)
+        seconds += (1 if bounded and first and core == p else 2) * link.alpha + link.beta * union * shape.pair
         members *= 2
     if core != p:
         seconds += (3 if bounded else 4) * link.alpha + link.beta * (shape.k + nonzeros) * shape.pair

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet, Communicator, PendingReduction, Reduced
+from ssfusion_lightning.comm.base import CommContext
 from ssfusion_lightning.comm.channels import Completed
 from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
 from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link
@@ -189,7 +190,7 @@ class FusionEngine:
         self.costs: CostProfile | None = None
         self.offloader = Offloader(config.offload, channels.device) if config.offload != "none" else None
         auto_cut = config.buffer_bytes is None and not sparsifier.is_dense
-        needs_profile = policy.needs_costs or config.offload == "auto" or auto_cut
+        needs_profile = policy.needs_costs or config.offload == "auto" or auto_cut or (communicator.needs_costs and not sparsifier.is_dense)
         self._profile_start = max(1, config.warmup_steps)
         self._profile_end = self._profile_start + config.profile_steps if needs_profile else 0
         self._profiler = Profiler(self.names) if needs_profile else None
@@ -209,6 +210,9 @@ class FusionEngine:
         return self.policy.plan(self.specs(order), ctx)
 
     def set_plan(self, plan: Plan) -> None:
+        # a per-buffer communicator records its scheme in the plan, from the agreed costs
+        sizes = {b.index: self.params[b.slots[0].param].element_size() for b in plan.buffers if b.slots}
+        plan = self.communicator.assign(plan, CommContext(self.world_size, self.costs, sizes))
         self.plan = plan
         self._dense_plan = dense_version(plan)
         self._coo_buffers = tuple(
@@ -586,7 +590,8 @@ class FusionEngine:
         device = self.channels.device
         links = {name: measure_link(name, group, device) for name in ("allreduce", "allgather")}
         local = self._profiler.local_vector(self.channels.cpu_seconds_per_job())
-        return agree(local, self.names, links, self.world_size, group, device)
+        spread = self.communicator.selection_spread(self.world_size)
+        return agree(local, self.names, links, self.world_size, group, device, 1.0 if spread is None else spread)
 
     def _health_vector(self, out: Tensor | None = None) -> Tensor:
         """One entry per rank, 1 at this rank when any of its gradients this round was non-finite

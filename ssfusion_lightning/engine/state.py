@@ -68,6 +68,7 @@ def encode_plan(plan: Plan) -> dict[str, Any]:
             {
                 "index": buffer.index,
                 "channel": buffer.channel,
+                "comm": buffer.comm,
                 "slots": [
                     {
                         "name": s.name,
@@ -105,6 +106,7 @@ def decode_plan(data: Any) -> Plan:
                     for s in buffer["slots"]
                 ),
                 channel=int(buffer["channel"]),
+                comm=str(buffer.get("comm", "")),  # absent in checkpoints written before ``auto``
             )
             for buffer in data["buffers"]
         )

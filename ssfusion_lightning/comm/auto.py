@@ -1,0 +1,137 @@
+"""``auto``: per buffer, the scheme the agreed cost model says is fastest.
+
+The choice is ``commcost.choose_scheme`` on the buffer's shape (F dense, N sparse, k selected per
+rank, bytes per value), the agreed alpha-beta links, P and the selections' spread. Every input is
+identical on every rank (the plan, and the cost profile the ranks agreed on with an all-reduce
+max), so every rank records the same scheme in the plan (``Buffer.comm``) and launches the same
+collectives. Before the costs are measured the links are the cost model's defaults and the
+selections are taken as independent: a deterministic first choice.
+
+While the costs are not yet measured, the nonzeros of each exact sparse sum are counted: the sum
+is the same on every rank, and the engine agrees the resulting spread with the other costs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+from ssfusion_lightning.comm.base import COMMUNICATORS, CommContext, Communicator, PendingReduction, Reduced
+from ssfusion_lightning.comm.channels import ChannelSet
+from ssfusion_lightning.comm.schemes import index_bytes
+from ssfusion_lightning.commcost import (
+    EXACT_SCHEMES,
+    SCHEMES,
+    BufferShape,
+    Links,
+    buffer_seconds,
+    choose_scheme,
+    measured_spread,
+)
+from ssfusion_lightning.costmodel import CostProfile
+from ssfusion_lightning.engine.plan import Buffer, Plan
+from ssfusion_lightning.fusion.base import Encoded
+
+log = logging.getLogger(__name__)
+
+#: the communicator that runs each scheme (the allgather one splits off the dense part, as hybrid)
+RUNNERS = {"allreduce": "allreduce", "allgather": "hybrid", "zen": "zen", "sparcml": "sparcml", "oktopk": "oktopk"}
+RUNNER_OPTIONS = {"zen": {"choice": "zen"}}  # auto chooses between zen and sparcml itself
+#: a buffer the plan did not assign (a sparse-gradient parameter's): summed exactly by allgather
+UNASSIGNED = "allgather"
+
+
+class _Counted(PendingReduction):
+    """A reduction whose sparse sum's nonzeros are recorded when it is waited for."""
+
+    def __init__(self, pending: PendingReduction, record) -> None:
+        self._pending = pending
+        self._record = record
+
+    def wait(self, timeout: float | None = None) -> Reduced:
+        reduced = self._pending.wait(timeout)
+        if reduced.sparse is not None:
+            self._record(int(reduced.sparse.count_nonzero()))
+        return reduced
+
+
+@COMMUNICATORS.register("auto")
+class AutoCommunicator(Communicator):
+    """Per buffer, the fastest of ``schemes`` under the agreed cost model (see the module doc).
+
+    ``schemes``: the candidates, a subset of allreduce, allgather, zen, sparcml, oktopk (default:
+    all). Leave out oktopk for an exact sum everywhere: Ok-Topk keeps about k entries of the sum.
+    """
+
+    name = "auto"
+    needs_costs = True
+    sums_dense = True  # every candidate all-reduces the dense part
+
+    def __init__(self, schemes: Sequence[str] = SCHEMES, **options: Any) -> None:
+        super().__init__(**options)
+        if isinstance(schemes, str) or not schemes or any(s not in SCHEMES for s in schemes):
+            raise ValueError(f"auto communicator: schemes must be a non-empty list of {', '.join(SCHEMES)}; got {schemes!r}")
+        self.schemes = tuple(s for s in SCHEMES if s in schemes)  # one order, whatever order was given
+        self.exact = "oktopk" not in self.schemes
+        self._runners = {s: COMMUNICATORS.build(RUNNERS[s], **RUNNER_OPTIONS.get(s, {})) for s in (*self.schemes, UNASSIGNED)}
+        self._samples: list[tuple[int, int, float]] = []  # (N, k, K) of exact sums before costs
+        self._measuring = True
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ the decision
+    def assign(self, plan: Plan, context: CommContext) -> Plan:
+        costs = context.costs or CostProfile(world_size=context.world_size)
+        links = Links.measured(context.world_size, costs.allreduce, costs.allgather)
+        self._measuring = not costs.measured
+        buffers, notes = [], []
+        for buffer in plan.buffers:
+            shape = buffer_shape(buffer, context.value_bytes.get(buffer.index, 4))
+            scheme = choose_scheme(shape, links, self.schemes, costs.selection_spread)
+            buffers.append(Buffer(buffer.index, buffer.slots, buffer.channel, scheme))
+            notes.append(scheme)
+            log.info(
+                "ssfusion auto: buffer %d (%d dense, %d sparse, k=%d, P=%d, %s costs) -> %s (modelled %.3g ms)",
+                buffer.index, shape.dense, shape.sparse, shape.k, context.world_size,
+                "measured" if costs.measured else "default", scheme, 1e3 * buffer_seconds(scheme, shape, links, costs.selection_spread),
+            )
+        return Plan(tuple(buffers), {**plan.notes, "comm": notes})
+
+    # ------------------------------------------------------------ running it
+    def _runner(self, buffer: Buffer) -> Communicator:
+        return self._runners[buffer.comm or UNASSIGNED]
+
+    def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
+        pending = self._runner(buffer).launch(encoded, buffer, channels)
+        if self._measuring and buffer.comm in EXACT_SCHEMES and encoded.values is not None and buffer.sparse_slots:
+            k = sum(slot.k for slot in buffer.sparse_slots)
+            return _Counted(pending, lambda nonzeros: self._record(buffer.sparse_numel, k, nonzeros))
+        return pending
+
+    def _record(self, numel: int, k: int, nonzeros: int) -> None:
+        with self._lock:
+            self._samples.append((numel, k, float(nonzeros)))
+
+    def selection_spread(self, world_size: int) -> float | None:
+        with self._lock:
+            return measured_spread(self._samples, world_size)
+
+    def carries_votes(self, buffer: Buffer) -> bool:
+        return self._runner(buffer).carries_votes(buffer)
+
+    def set_plan(self, plan: Plan) -> None:
+        for runner in self._runners.values():
+            runner.set_plan(plan)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: runner.state_dict() for name, runner in self._runners.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, runner in self._runners.items():
+            runner.load_state_dict(state.get(name, {}))
+
+
+def buffer_shape(buffer: Buffer, value_bytes: int) -> BufferShape:
+    """The model's view of a buffer (positions on the wire as the schemes send them)."""
+    k = sum(slot.k for slot in buffer.sparse_slots)
+    return BufferShape(buffer.dense_numel, buffer.sparse_numel, k, value_bytes, index_bytes(buffer.sparse_numel))
