@@ -251,6 +251,7 @@ RESUME_RULES: dict[str, str] = {
     "process_groups": "replan",
     "comm": "communicator",
     "comm_options": "communicator",
+    "ranks_per_node": "communicator",
     # residual (one tensor per parameter) and dgc (momenta and velocities) state differ in layout
     # and meaning: converting one into the other, or dropping it, would silently change the math
     "memory": "refuse",
