@@ -1,5 +1,6 @@
 """comm="auto": the per-buffer decision at hand-computed points, its properties over costs and P
-(hypothesis), and a short training run on 2 gloo ranks that ends with identical parameters.
+(hypothesis), and a short training run on 4 gloo ranks that ends with identical parameters (the
+4-rank pool the hierarchical tests use: starting another pool would cost more than the run).
 
 Units in the comments: microseconds (us), bytes (B); links at 1 ns per byte, fp32 values and int32
 positions (v = x = 4, a pair 8 B). With ``Links.measured`` (ssfusion_lightning/commcost.py) the
@@ -193,8 +194,8 @@ def train_auto(steps: int = 8) -> dict:
     }
 
 
-def test_training_with_auto_gives_identical_parameters_on_every_rank(pool2):
-    results = pool2.run(train_auto)
+def test_training_with_auto_gives_identical_parameters_on_every_rank(pool4):
+    results = pool4.run(train_auto)
     first = results[0]
     assert first["measured"], "auto must measure the links before it freezes its choices"
     assert len(first["comm"]) > 1 and all(c in SCHEMES for c in first["comm"])
