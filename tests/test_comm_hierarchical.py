@@ -131,3 +131,13 @@ def test_sparse_training_keeps_every_rank_identical(pool4, cross):
     for rank, params in enumerate(results):
         for name, value in params.items():
             assert torch.equal(value, results[0][name]), f"rank {rank}: {name} differs from rank 0"
+
+
+def test_the_command_line_builds_a_hierarchical_strategy():
+    from ssfusion_lightning.app.builders import build_strategy
+    from ssfusion_lightning.app.config import compose_config
+
+    cfg = compose_config(["strategy=ssfusion", "comm=hierarchical", "comm.options.cross=zen", "strategy.ranks_per_node=2"])
+    strategy = build_strategy(cfg)
+    assert (strategy.comm_name, strategy.comm_options, strategy.ranks_per_node) == ("hierarchical", {"cross": "zen"}, 2)
+    assert build_strategy(compose_config(["strategy=ssfusion"])).comm_name == "auto"

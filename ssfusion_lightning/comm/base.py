@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -82,8 +82,13 @@ class Communicator(ABC):
 
     def assign(self, plan: Plan, context: CommContext) -> Plan:
         """The plan with each buffer's scheme recorded (``Buffer.comm``), for communicators that
-        choose per buffer; a pure function of the plan and ``context``, so every rank agrees."""
-        return plan
+        choose per buffer; a pure function of the plan and ``context``, so every rank agrees.
+        This one sends every buffer alike: a choice left by another communicator (a plan resumed
+        from a checkpoint of ``auto``) is cleared, so the plan says what is sent."""
+        if not any(buffer.comm for buffer in plan.buffers):
+            return plan
+        notes = {key: value for key, value in plan.notes.items() if key != "comm"}
+        return Plan(tuple(replace(buffer, comm="") for buffer in plan.buffers), notes)
 
     def set_plan(self, plan: Plan) -> None:
         """The engine's plan changed: drop what was kept for buffers the new plan no longer has."""
