@@ -11,7 +11,8 @@ elements and N sparse ones, of which each rank selects k; v bytes per value, x p
 the nonzeros of the sum, measures how much the ranks' selections overlap (``expected_nonzeros``).
 
     dense part (every scheme)  allreduce: 2(P-1)/P * F v
-    allreduce                  the sparse part scattered and all-reduced: 2(P-1)/P * N v
+    allreduce                  the sparse part scattered and all-reduced with the dense part, in
+                               one all-reduce: 2(P-1)/P * (F + N) v
     allgather                  allgather: (P-1) k (v+x)
     zen                        all_to_all of counts and of (P-1)/P k (v+x) pairs, allgather of
                                counts and of (P-1)/P min(N/8 + K v, K (v+x)) (bitmap or COO pull)
@@ -209,8 +210,11 @@ def sparse_seconds(scheme: str, shape: BufferShape, links: Links, spread: float 
 
 
 def buffer_seconds(scheme: str, shape: BufferShape, links: Links, spread: float = 1.0) -> float:
-    """The dense part's all-reduce plus the sparse part under ``scheme`` (one after the other: the
-    two share the link even when they run on different groups)."""
+    """The buffer's communication under ``scheme``: ``allreduce`` sends both parts in one
+    all-reduce (as a DDP bucket); the others all-reduce the dense part and run the sparse part
+    through the scheme, one after the other (the two share the link even on different groups)."""
+    if scheme == "allreduce":
+        return dense_seconds(shape.dense + shape.sparse, shape.value_bytes, links)
     return dense_seconds(shape.dense, shape.value_bytes, links) + sparse_seconds(scheme, shape, links, spread)
 
 
@@ -221,7 +225,7 @@ def choose_scheme(shape: BufferShape, links: Links, candidates: Sequence[str] = 
         raise ValueError("choose_scheme needs at least one candidate scheme")
     best, best_seconds = candidates[0], math.inf
     for scheme in candidates:
-        seconds = sparse_seconds(scheme, shape, links, spread)
+        seconds = buffer_seconds(scheme, shape, links, spread)
         if seconds < best_seconds:
             best, best_seconds = scheme, seconds
     return best
