@@ -35,6 +35,9 @@ from typing import Sequence
 SCHEMES = ("allreduce", "allgather", "zen", "sparcml", "oktopk")
 #: schemes whose sum is exact (Ok-Topk keeps about k entries of the sum)
 EXACT_SCHEMES = ("allreduce", "allgather", "zen", "sparcml")
+#: "hierarchical:<scheme>": the hierarchical sync with <scheme> as its cross-node step
+HIERARCHICAL = "hierarchical:"
+HIERARCHICAL_SCHEMES = tuple(HIERARCHICAL + scheme for scheme in SCHEMES)
 #: counts and headers travel as int64
 COUNT_BYTES = 8
 #: Ok-Topk's reused-threshold grid (see comm/oktopk.py): one count per grid step and rank
@@ -218,14 +221,54 @@ def buffer_seconds(scheme: str, shape: BufferShape, links: Links, spread: float 
     return dense_seconds(shape.dense, shape.value_bytes, links) + sparse_seconds(scheme, shape, links, spread)
 
 
-def choose_scheme(shape: BufferShape, links: Links, candidates: Sequence[str] = SCHEMES, spread: float = 1.0) -> str:
+def hierarchical_seconds(cross: str, shape: BufferShape, node: Links, across: Links, spread: float = 1.0) -> float:
+    """The hierarchical sync (comm/hierarchical.py) on ``across.world`` nodes of ``node.world``
+    ranks: both parts reduce-scattered and all-gathered inside the node (the allgather link's ring
+    moves the same bytes), the dense stripe all-reduced across nodes, and the sparse stripe's
+    nonzeros (1/L of the node's union of L selections) through ``cross`` on the cross-node group.
+    The L local ranks cross at once, each with its own stripe on its own NIC: one stripe's time.
+    Sparse partial sums travel in fp32 at least."""
+    per_node = node.world
+    acc = max(shape.value_bytes, 4)
+    inside = 0.0
+    if per_node > 1:
+        for numel, value_bytes in ((shape.dense, shape.value_bytes), (shape.sparse, acc)):
+            inside += 2 * node.allgather.seconds((per_node - 1) / per_node * numel * value_bytes)
+    seconds = inside + dense_seconds(shape.dense / per_node, shape.value_bytes, across)
+    if shape.sparse <= 0:
+        return seconds
+    union = expected_nonzeros(shape.sparse, shape.k, per_node, spread)
+    stripe = BufferShape(0, shape.sparse / per_node, union / per_node, acc, shape.index_bytes)
+    return seconds + buffer_seconds(cross, stripe, across, spread)
+
+
+def scheme_seconds(
+    scheme: str, shape: BufferShape, links: Links, spread: float = 1.0, hierarchy: tuple[Links, Links] | None = None
+) -> float:
+    """``buffer_seconds`` for a flat scheme, ``hierarchical_seconds`` for "hierarchical:<cross>"
+    on ``hierarchy`` = (node-local links, cross-node links)."""
+    if scheme.startswith(HIERARCHICAL):
+        if hierarchy is None:
+            raise ValueError(f"{scheme!r} needs the node-local and cross-node links")
+        return hierarchical_seconds(scheme[len(HIERARCHICAL) :], shape, *hierarchy, spread)
+    return buffer_seconds(scheme, shape, links, spread)
+
+
+def choose_scheme(
+    shape: BufferShape,
+    links: Links,
+    candidates: Sequence[str] = SCHEMES,
+    spread: float = 1.0,
+    hierarchy: tuple[Links, Links] | None = None,
+) -> str:
     """The candidate with the least modelled time for the buffer; a tie goes to the earlier
-    candidate. A pure function of its arguments: ranks holding the same agreed inputs agree."""
+    candidate. A pure function of its arguments: ranks holding the same agreed inputs agree.
+    Hierarchical candidates need ``hierarchy`` (see ``scheme_seconds``)."""
     if not candidates:
         raise ValueError("choose_scheme needs at least one candidate scheme")
     best, best_seconds = candidates[0], math.inf
     for scheme in candidates:
-        seconds = buffer_seconds(scheme, shape, links, spread)
+        seconds = scheme_seconds(scheme, shape, links, spread, hierarchy)
         if seconds < best_seconds:
             best, best_seconds = scheme, seconds
     return best

@@ -36,6 +36,10 @@ class CostProfile:
     #: how far the ranks' selections spread (see ``commcost.expected_nonzeros``): 1 for independent
     #: selections (the assumption until measured), 0 when every rank selects the same positions
     selection_spread: float = 1.0
+    #: allgather alpha-beta on the node-local and on the cross-node groups (hierarchical layouts;
+    #: the defaults until measured)
+    node_link: Link = Link(50e-6, 1e-9)
+    cross_link: Link = Link(50e-6, 1e-9)
 
     def compress_seconds(self, numel: int) -> float:
         return self.compress_fixed + self.compress_per_element * numel
@@ -151,9 +155,12 @@ def agree(
     selection_spread: float = 1.0,
 ) -> CostProfile:
     """Elementwise max over ranks of every measured number, so all ranks hold the same profile
-    (for the selections' spread the max is the cautious side: more nonzeros in the sums)."""
+    (for the selections' spread the max is the cautious side: more nonzeros in the sums).
+    ``links`` holds "allreduce" and "allgather", and "node" and "cross" on hierarchical layouts."""
+    defaults = CostProfile()
+    node, cross = links.get("node", defaults.node_link), links.get("cross", defaults.cross_link)
     values = local + [links["allreduce"].alpha, links["allreduce"].beta, links["allgather"].alpha, links["allgather"].beta]
-    values.append(selection_spread)
+    values += [selection_spread, node.alpha, node.beta, cross.alpha, cross.beta]
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -167,6 +174,8 @@ def agree(
         allreduce=Link(agreed[n + 3], agreed[n + 4]),
         allgather=Link(agreed[n + 5], agreed[n + 6]),
         selection_spread=agreed[n + 7],
+        node_link=Link(agreed[n + 8], agreed[n + 9]),
+        cross_link=Link(agreed[n + 10], agreed[n + 11]),
         world_size=world_size,
         measured=True,
     )

@@ -310,7 +310,9 @@ class SSFusionStrategy(DDPStrategy):
         )
         communicator = COMMUNICATORS.build(self.comm_name, **self.comm_options)
         flat = self._create_groups()
-        hierarchies = self._create_hierarchies(len(flat)) if communicator.needs_hierarchy else None
+        hierarchies = self._create_hierarchies(len(flat), required=communicator.needs_hierarchy) if (
+            communicator.needs_hierarchy or communicator.may_use_hierarchy
+        ) else None
         self._groups = flat + [g for h in hierarchies or () for g in (h.local, h.cross) if g is not None]
         channels = ChannelSet(flat if flat else [None], self.root_device, hierarchies)
         sparse_ids = {
@@ -350,13 +352,16 @@ class SSFusionStrategy(DDPStrategy):
             for _ in range(self.process_groups)
         ]
 
-    def _create_hierarchies(self, channels: int) -> list[Hierarchy]:
+    def _create_hierarchies(self, channels: int, required: bool) -> list[Hierarchy] | None:
         """One node-local and one cross-node group per channel (a channel's collectives never share
         a group with another's), created on every rank in the same order; a single process is one
-        node of one rank."""
+        node of one rank. Unless ``required``, only where several nodes hold several ranks each
+        (elsewhere a hierarchy changes nothing, and 1 + P groups per channel cost a start-up)."""
         if not _distributed_is_initialized():
-            return [Hierarchy(None, None, 0, 1, 1)]
+            return [Hierarchy(None, None, 0, 1, 1)] if required else None
         per_node = self.ranks_per_node or self.num_processes
+        if not required and not 1 < per_node < self.world_size:
+            return None
         backend = self._get_process_group_backend()
         return [create_hierarchy(self.global_rank, self.world_size, per_node, backend, self._timeout) for _ in range(channels)]
 

@@ -23,6 +23,7 @@ from ssfusion_lightning.comm import COMMUNICATORS
 from ssfusion_lightning.comm.base import CommContext
 from ssfusion_lightning.commcost import (
     EXACT_SCHEMES,
+    HIERARCHICAL_SCHEMES,
     SCHEMES,
     BufferShape,
     Link,
@@ -31,6 +32,7 @@ from ssfusion_lightning.commcost import (
     choose_scheme,
     expected_nonzeros,
     measured_spread,
+    scheme_seconds,
 )
 from ssfusion_lightning.costmodel import CostProfile
 from ssfusion_lightning.engine.plan import Buffer, Plan, Slot
@@ -85,6 +87,41 @@ def test_oktopk_at_large_p_and_zen_among_exact_schemes_or_when_selections_coinci
     # every rank selects the same positions (spread 0): K = k, so zen's pull shrinks to 8k B:
     #   zen = 255/256 * 16 * 10^6 ns = 15.9 ms < oktopk's 23.9 ms (its threshold gather: 4k/256 B per owner)
     assert choose_scheme(shape, links(256), spread=0.0) == "zen"
+
+
+def test_hierarchical_sync_wins_when_the_node_link_is_fast():
+    # 2 nodes x 4 ranks (P = 8); cross-node and flat links 50 us + 1 ns/B, the node link 5 us +
+    # 0.01 ns/B. N = 10^6, k = 10^4 (1%); independent selections.
+    # Flat: allgather 50 + 7 * 8 * 10^4 ns = 610 us; sparcml (messages of 50/7 us) 6 * 7.14 +
+    #   8 * (10^4 + 19,900 + 39,404) ns = 597 us; zen 200 + 7/8 * (8 * 10^4 + 434,020) ns = 650 us;
+    #   oktopk 250 + 210 + 1.4 + 320/32 = 471 us -> oktopk.
+    # Hierarchical: inside the node, reduce-scatter and all-gather of 4 * 10^6 B, 3/4 of it each:
+    #   2 * (5 + 30) = 70 us; a node's union of 4 selections is 39,404, 9,851 per stripe of 250,000;
+    #   across the 2 nodes allgather moves 9,851 pairs: 50 + 78.8 = 128.8 us -> 198.8 us in all
+    #   (cross sparcml: 100 + 78.8 = 178.8 -> 248.8 us; cross zen and oktopk pay >= 200 us of latency).
+    shape = BufferShape(dense=0, sparse=10**6, k=10**4)
+    flat = links(8)
+    hierarchy = (links(4, alpha_us=5, ns_per_byte=0.01), links(2))
+    assert choose_scheme(shape, flat) == "oktopk"
+    assert buffer_seconds("oktopk", shape, flat) == pytest.approx(471e-6, rel=0.01)
+    best = choose_scheme(shape, flat, SCHEMES + HIERARCHICAL_SCHEMES, hierarchy=hierarchy)
+    assert best == "hierarchical:allgather"
+    assert scheme_seconds(best, shape, flat, hierarchy=hierarchy) == pytest.approx(198.8e-6, rel=0.01)
+
+
+def test_auto_offers_hierarchical_schemes_only_on_nodes_of_several_ranks():
+    plan = plan_of([(0, 10**6, 10**4)])
+    fast_node = CostProfile(
+        allreduce=Link(50 * US, 1e-9), allgather=Link(50 * US, 1e-9), node_link=Link(5 * US, 1e-11),
+        cross_link=Link(50 * US, 1e-9), world_size=8, measured=True,
+    )
+    auto = COMMUNICATORS.build("auto")
+    assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, (4, 2))).buffers[0].comm == "hierarchical:allgather"
+    for layout in (None, (8, 1), (1, 8)):
+        assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, layout)).buffers[0].comm == "oktopk"
+    only_hierarchical = COMMUNICATORS.build("auto", schemes=["hierarchical:zen"])
+    with pytest.raises(ValueError, match="every candidate .* is hierarchical, but the layout has no node groups"):
+        only_hierarchical.assign(plan, CommContext(8, fast_node, {0: 4}, None))
 
 
 def test_a_buffer_without_a_sparse_part_goes_dense():
@@ -166,7 +203,8 @@ def test_every_rank_assigns_the_same_plan_from_the_agreed_costs(world, measured,
 
 
 def test_the_choice_is_part_of_the_plan_fingerprint():
-    plan = plan_of([(10, 1000, 10)])
+    # allgather 50 + 80 ns, allreduce 50 + 400 us; with an allgather latency of 1 s, allreduce
+    plan = plan_of([(0, 100_000, 10)])
     fast = CommContext(2, CostProfile(world_size=2, measured=True), {0: 4})
     slow_gather = CommContext(2, CostProfile(allgather=Link(1.0, 1e-9), world_size=2, measured=True), {0: 4})
     auto = COMMUNICATORS.build("auto")
@@ -181,10 +219,12 @@ def test_auto_is_the_ssfusion_presets_default():
 
 
 # --------------------------------------------------------------------------- training on 2 ranks
-def train_auto(steps: int = 8) -> dict:
+def train_auto(steps: int = 8, **options) -> dict:
     L.seed_everything(0, verbose=False)
     model = Regressor()
-    strategy = ssf.SSFusionStrategy(sparsifier="topk", density=0.1, fusion="ahead", comm="auto", offload="none", buffer_mb=0.002)
+    strategy = ssf.SSFusionStrategy(
+        sparsifier="topk", density=0.1, fusion="ahead", comm="auto", offload="none", buffer_mb=0.002, **options
+    )
     make_trainer(strategy, steps).fit(model, DataLoader(regression_data(), batch_size=16))
     engine_plan = strategy._final_engine_state["plan"]
     return {
@@ -199,6 +239,18 @@ def test_training_with_auto_gives_identical_parameters_on_every_rank(pool4):
     first = results[0]
     assert first["measured"], "auto must measure the links before it freezes its choices"
     assert len(first["comm"]) > 1 and all(c in SCHEMES for c in first["comm"])
+    check_identical(results)
+
+
+def test_auto_runs_hierarchical_candidates_on_2_nodes_of_2_ranks(pool4):
+    options = dict(ranks_per_node=2, comm_options={"schemes": ["hierarchical:zen", "hierarchical:allgather"]})
+    results = pool4.run(train_auto, **options)
+    assert results[0]["measured"] and all(c.startswith("hierarchical:") for c in results[0]["comm"])
+    check_identical(results)
+
+
+def check_identical(results: list[dict]) -> None:
+    first = results[0]
     for rank, res in enumerate(results):
         assert res["comm"] == first["comm"], f"rank {rank} chose {res['comm']}, rank 0 {first['comm']}"
         for name, value in res["params"].items():

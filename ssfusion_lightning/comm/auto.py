@@ -22,12 +22,14 @@ from ssfusion_lightning.comm.channels import ChannelSet
 from ssfusion_lightning.comm.schemes import index_bytes
 from ssfusion_lightning.commcost import (
     EXACT_SCHEMES,
+    HIERARCHICAL,
+    HIERARCHICAL_SCHEMES,
     SCHEMES,
     BufferShape,
     Links,
-    buffer_seconds,
     choose_scheme,
     measured_spread,
+    scheme_seconds,
 )
 from ssfusion_lightning.costmodel import CostProfile
 from ssfusion_lightning.engine.plan import Buffer, Plan
@@ -35,9 +37,10 @@ from ssfusion_lightning.fusion.base import Encoded
 
 log = logging.getLogger(__name__)
 
-#: the communicator that runs each scheme (the allgather one splits off the dense part, as hybrid)
+#: the communicator that runs each flat scheme (the allgather one splits off the dense part, as hybrid)
 RUNNERS = {"allreduce": "allreduce", "allgather": "hybrid", "zen": "zen", "sparcml": "sparcml", "oktopk": "oktopk"}
 RUNNER_OPTIONS = {"zen": {"choice": "zen"}}  # auto chooses between zen and sparcml itself
+CANDIDATES = SCHEMES + HIERARCHICAL_SCHEMES
 #: a buffer the plan did not assign (a sparse-gradient parameter's): summed exactly by allgather
 UNASSIGNED = "allgather"
 
@@ -60,21 +63,25 @@ class _Counted(PendingReduction):
 class AutoCommunicator(Communicator):
     """Per buffer, the fastest of ``schemes`` under the agreed cost model (see the module doc).
 
-    ``schemes``: the candidates, a subset of allreduce, allgather, zen, sparcml, oktopk (default:
-    all). Leave out oktopk for an exact sum everywhere: Ok-Topk keeps about k entries of the sum.
+    ``schemes``: the candidates, among allreduce, allgather, zen, sparcml, oktopk and
+    "hierarchical:<one of those>" (comm/hierarchical.py with that cross-node step); default: all.
+    The hierarchical ones compete only where nodes hold several ranks each (``ranks_per_node``)
+    and there are several nodes. Leave out oktopk (both forms) for an exact sum everywhere: Ok-Topk
+    keeps about k entries of the sum.
     """
 
     name = "auto"
     needs_costs = True
+    may_use_hierarchy = True
     sums_dense = True  # every candidate all-reduces the dense part
 
-    def __init__(self, schemes: Sequence[str] = SCHEMES, **options: Any) -> None:
+    def __init__(self, schemes: Sequence[str] = CANDIDATES, **options: Any) -> None:
         super().__init__(**options)
-        if isinstance(schemes, str) or not schemes or any(s not in SCHEMES for s in schemes):
-            raise ValueError(f"auto communicator: schemes must be a non-empty list of {', '.join(SCHEMES)}; got {schemes!r}")
-        self.schemes = tuple(s for s in SCHEMES if s in schemes)  # one order, whatever order was given
-        self.exact = "oktopk" not in self.schemes
-        self._runners = {s: COMMUNICATORS.build(RUNNERS[s], **RUNNER_OPTIONS.get(s, {})) for s in (*self.schemes, UNASSIGNED)}
+        if isinstance(schemes, str) or not schemes or any(s not in CANDIDATES for s in schemes):
+            raise ValueError(f"auto communicator: schemes must be a non-empty list of {', '.join(CANDIDATES)}; got {schemes!r}")
+        self.schemes = tuple(s for s in CANDIDATES if s in schemes)  # one order, whatever order was given
+        self.exact = not any(s.endswith("oktopk") for s in self.schemes)
+        self._runners = {s: _runner_for(s) for s in (*self.schemes, UNASSIGNED)}
         self._samples: list[tuple[int, int, float]] = []  # (N, k, K) of exact sums before costs
         self._measuring = True
         self._lock = threading.Lock()
@@ -83,19 +90,38 @@ class AutoCommunicator(Communicator):
     def assign(self, plan: Plan, context: CommContext) -> Plan:
         costs = context.costs or CostProfile(world_size=context.world_size)
         links = Links.measured(context.world_size, costs.allreduce, costs.allgather)
+        candidates, hierarchy = self._candidates(context.layout, costs)
         self._measuring = not costs.measured
         buffers, notes = [], []
         for buffer in plan.buffers:
             shape = buffer_shape(buffer, context.value_bytes.get(buffer.index, 4))
-            scheme = choose_scheme(shape, links, self.schemes, costs.selection_spread)
+            scheme = choose_scheme(shape, links, candidates, costs.selection_spread, hierarchy)
             buffers.append(Buffer(buffer.index, buffer.slots, buffer.channel, scheme))
             notes.append(scheme)
+            seconds = scheme_seconds(scheme, shape, links, costs.selection_spread, hierarchy)
             log.info(
                 "ssfusion auto: buffer %d (%d dense, %d sparse, k=%d, P=%d, %s costs) -> %s (modelled %.3g ms)",
                 buffer.index, shape.dense, shape.sparse, shape.k, context.world_size,
-                "measured" if costs.measured else "default", scheme, 1e3 * buffer_seconds(scheme, shape, links, costs.selection_spread),
+                "measured" if costs.measured else "default", scheme, 1e3 * seconds,
             )
         return Plan(tuple(buffers), {**plan.notes, "comm": notes})
+
+    def _candidates(self, layout: tuple[int, int] | None, costs: CostProfile) -> tuple[tuple[str, ...], tuple[Links, Links] | None]:
+        """The schemes that apply on this layout, and the (node-local, cross-node) links of the
+        hierarchical ones; with no node of several ranks among several nodes, the flat ones only."""
+        flat = tuple(s for s in self.schemes if not s.startswith(HIERARCHICAL))
+        if layout is None or layout[0] <= 1 or layout[1] <= 1 or len(flat) == len(self.schemes):
+            if not flat:
+                raise ValueError(
+                    f"auto communicator: every candidate in {list(self.schemes)} is hierarchical, but the layout "
+                    f"{'has no node groups' if layout is None else f'is {layout[1]} node(s) of {layout[0]} rank(s)'}: "
+                    "add a flat scheme, or set ranks_per_node so that several nodes hold several ranks each"
+                )
+            return flat, None
+        per_node, nodes = layout
+        node = Links.measured(per_node, costs.node_link, costs.node_link)
+        across = Links.measured(nodes, costs.cross_link, costs.cross_link)
+        return self.schemes, (node, across)
 
     # ------------------------------------------------------------ running it
     def _runner(self, buffer: Buffer) -> Communicator:
@@ -103,7 +129,8 @@ class AutoCommunicator(Communicator):
 
     def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
         pending = self._runner(buffer).launch(encoded, buffer, channels)
-        if self._measuring and buffer.comm in EXACT_SCHEMES and encoded.values is not None and buffer.sparse_slots:
+        exact = buffer.comm.removeprefix(HIERARCHICAL) in EXACT_SCHEMES
+        if self._measuring and exact and encoded.values is not None and buffer.sparse_slots:
             k = sum(slot.k for slot in buffer.sparse_slots)
             return _Counted(pending, lambda nonzeros: self._record(buffer.sparse_numel, k, nonzeros))
         return pending
@@ -129,6 +156,12 @@ class AutoCommunicator(Communicator):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, runner in self._runners.items():
             runner.load_state_dict(state.get(name, {}))
+
+
+def _runner_for(scheme: str) -> Communicator:
+    if scheme.startswith(HIERARCHICAL):
+        return COMMUNICATORS.build("hierarchical", cross=scheme[len(HIERARCHICAL) :])
+    return COMMUNICATORS.build(RUNNERS[scheme], **RUNNER_OPTIONS.get(scheme, {}))
 
 
 def buffer_shape(buffer: Buffer, value_bytes: int) -> BufferShape:

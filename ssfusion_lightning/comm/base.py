@@ -58,6 +58,8 @@ class CommContext:
     costs: CostProfile | None
     #: bytes per value of each buffer (by buffer index)
     value_bytes: dict[int, int]
+    #: (ranks per node, nodes) when the channels have node-local and cross-node groups
+    layout: tuple[int, int] | None = None
 
 
 class Communicator(ABC):
@@ -66,6 +68,8 @@ class Communicator(ABC):
     needs_costs: ClassVar[bool] = False
     #: the communicator runs on node-local and cross-node groups (``Channel.hierarchy``)
     needs_hierarchy: ClassVar[bool] = False
+    #: the communicator can use those groups when nodes hold several ranks each
+    may_use_hierarchy: ClassVar[bool] = False
     #: the dense part is summed element-wise by one all-reduce, whatever its length: the engine
     #: may append control entries to it (the non-finite vote) instead of a round of their own
     sums_dense: ClassVar[bool] = False

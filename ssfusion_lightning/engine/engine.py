@@ -212,7 +212,9 @@ class FusionEngine:
     def set_plan(self, plan: Plan) -> None:
         # a per-buffer communicator records its scheme in the plan, from the agreed costs
         sizes = {b.index: self.params[b.slots[0].param].element_size() for b in plan.buffers if b.slots}
-        plan = self.communicator.assign(plan, CommContext(self.world_size, self.costs, sizes))
+        hierarchy = self.channels[0].hierarchy
+        layout = (hierarchy.ranks_per_node, hierarchy.nodes) if hierarchy is not None else None
+        plan = self.communicator.assign(plan, CommContext(self.world_size, self.costs, sizes, layout))
         self.plan = plan
         self._dense_plan = dense_version(plan)
         self._coo_buffers = tuple(
@@ -589,6 +591,10 @@ class FusionEngine:
         """Measure the links on this group, then take every number's max over the ranks."""
         device = self.channels.device
         links = {name: measure_link(name, group, device) for name in ("allreduce", "allgather")}
+        hierarchy = self.channels[0].hierarchy  # this channel's own groups: measured on its thread
+        if hierarchy is not None and hierarchy.nodes > 1 and hierarchy.ranks_per_node > 1:
+            links["node"] = measure_link("allgather", hierarchy.local, device)
+            links["cross"] = measure_link("allgather", hierarchy.cross, device)
         local = self._profiler.local_vector(self.channels.cpu_seconds_per_job())
         spread = self.communicator.selection_spread(self.world_size)
         return agree(local, self.names, links, self.world_size, group, device, 1.0 if spread is None else spread)

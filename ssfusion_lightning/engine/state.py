@@ -127,6 +127,9 @@ def decode_costs(data: Any) -> CostProfile | None:
         fields["backward"] = {str(k): float(v) for k, v in fields["backward"].items()}
         fields["allreduce"] = Link(**fields["allreduce"])
         fields["allgather"] = Link(**fields["allgather"])
+        for name in ("node_link", "cross_link"):  # absent in checkpoints written before hierarchical layouts
+            if name in fields:
+                fields[name] = Link(**fields[name])
         return CostProfile(**fields)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"corrupted engine state: the saved cost profile cannot be read ({type(error).__name__}: {error})") from None
