@@ -155,15 +155,23 @@ def buffers(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(2, 1024), link_values, link_values, buffers(), st.floats(0.0, 1.0))
-def test_auto_is_never_modelled_slower_than_dense_or_the_best_fixed_scheme(world, ar, ag, shape, spread):
+@given(
+    st.sampled_from([1, 2, 4, 8]), st.integers(1, 128), link_values, link_values, link_values, link_values,
+    buffers(), st.floats(0.0, 1.0),
+)
+def test_auto_is_never_modelled_slower_than_dense_or_the_best_fixed_scheme(per_node, nodes, ar, ag, node, cross, shape, spread):
+    world = per_node * nodes
+    if world < 2:
+        return
     model = Links.measured(world, Link(*ar), Link(*ag))
-    choice = choose_scheme(shape, model, SCHEMES, spread)
-    auto = buffer_seconds(choice, shape, model, spread)
-    fixed = {scheme: buffer_seconds(scheme, shape, model, spread) for scheme in SCHEMES}
+    hierarchy = (Links.measured(per_node, Link(*node), Link(*node)), Links.measured(nodes, Link(*cross), Link(*cross)))
+    candidates = SCHEMES + HIERARCHICAL_SCHEMES
+    choice = choose_scheme(shape, model, candidates, spread, hierarchy)
+    auto = scheme_seconds(choice, shape, model, spread, hierarchy)
+    fixed = {scheme: scheme_seconds(scheme, shape, model, spread, hierarchy) for scheme in candidates}
     assert auto <= fixed["allreduce"]
     assert auto <= 1.05 * min(fixed.values())
-    assert choose_scheme(shape, model, SCHEMES, spread) == choice  # a pure function
+    assert choose_scheme(shape, model, candidates, spread, hierarchy) == choice  # a pure function
 
 
 def plan_of(shapes: list[tuple[int, int, int]]) -> Plan:
