@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ssfusion_lightning.commcost import Link, Links
+from ssfusion_lightning.commcost import Link
 
 #: the allgather scheme sends positions as int32 (every fusion buffer has < 2**31 elements)
 INDEX_BYTES = 4
@@ -56,10 +56,6 @@ class CostProfile:
 
     def backward_seconds(self, name: str) -> float:
         return self.backward.get(name, 0.0)
-
-    def links(self) -> Links:
-        """Every collective kind's alpha-beta on the profile's groups (see ``Links.measured``)."""
-        return Links.measured(self.world_size, self.allreduce, self.allgather)
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

@@ -113,9 +113,10 @@ class SSFusionStrategy(DDPStrategy):
             step; error feedback and sparsifier thresholds never absorb it. Under fp16 mixed precision
             with a GradScaler the step is the scaler's instead: every rank writes inf into the
             gradients, so the scaler skips the step and lowers its scale, as under DDP.
-        ranks_per_node: ranks that share a node (its fast link), for ``comm="hierarchical"``
-            (default: Lightning's devices per node). Global ranks are node-major. A smaller value
-            than the real one emulates several nodes on one machine (e.g. 4 ranks as 2 x 2).
+        ranks_per_node: ranks that share a node (its fast link), for ``comm="hierarchical"`` and
+            the hierarchical candidates of ``comm="auto"`` (default: Lightning's devices per node).
+            Global ranks are node-major. A smaller value than the real one emulates several nodes
+            on one machine (e.g. 4 ranks as 2 x 2).
         comm_options, fusion_options, memory_options: constructor options of the named communicator,
             fusion policy and memory (e.g. ``comm_options={"choice": "sparcml"}`` for ``comm="zen"``).
         timeout: as DDP's; also bounds every collective of the strategy's own process groups, so a
@@ -189,8 +190,12 @@ class SSFusionStrategy(DDPStrategy):
         self.memory_name = _choice("memory", memory, MEMORIES.names())
         self.fusion_name = _choice("fusion policy", fusion, FUSION_POLICIES.names())
         self.comm_name = _choice("comm", comm, COMMUNICATORS.names())
-        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node must be an integer >= 1 or None (Lightning's devices per node), got {ranks_per_node!r}")
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
+            raise ValueError(
+                f"ranks_per_node must be an integer >= 1 or None (Lightning's devices per node), got {ranks_per_node!r}"
+            )
         self.ranks_per_node = ranks_per_node
         self.offload = _choice("offload", offload, OFFLOAD_CHOICES)
         self.buffer_mb = "auto" if buffer_mb == "auto" else _positive_mib("buffer_mb", buffer_mb, ' or "auto"')
@@ -310,9 +315,9 @@ class SSFusionStrategy(DDPStrategy):
         )
         communicator = COMMUNICATORS.build(self.comm_name, **self.comm_options)
         flat = self._create_groups()
-        hierarchies = self._create_hierarchies(len(flat), required=communicator.needs_hierarchy) if (
-            communicator.needs_hierarchy or communicator.may_use_hierarchy
-        ) else None
+        hierarchies = None
+        if communicator.needs_hierarchy or communicator.may_use_hierarchy:
+            hierarchies = self._create_hierarchies(len(flat), required=communicator.needs_hierarchy)
         self._groups = flat + [g for h in hierarchies or () for g in (h.local, h.cross) if g is not None]
         channels = ChannelSet(flat if flat else [None], self.root_device, hierarchies)
         sparse_ids = {

@@ -190,7 +190,8 @@ class FusionEngine:
         self.costs: CostProfile | None = None
         self.offloader = Offloader(config.offload, channels.device) if config.offload != "none" else None
         auto_cut = config.buffer_bytes is None and not sparsifier.is_dense
-        needs_profile = policy.needs_costs or config.offload == "auto" or auto_cut or (communicator.needs_costs and not sparsifier.is_dense)
+        comm_costs = communicator.needs_costs and not sparsifier.is_dense  # dense buffers have one choice
+        needs_profile = policy.needs_costs or config.offload == "auto" or auto_cut or comm_costs
         self._profile_start = max(1, config.warmup_steps)
         self._profile_end = self._profile_start + config.profile_steps if needs_profile else 0
         self._profiler = Profiler(self.names) if needs_profile else None

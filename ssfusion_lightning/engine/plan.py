@@ -90,8 +90,12 @@ class Plan:
     notes: dict = field(default_factory=dict, compare=False, hash=False)
 
     def fingerprint(self) -> str:
+        # a buffer's scheme counts only when chosen, so plans without one keep their fingerprints
         text = repr(
-            [(b.index, b.channel, [(s.name, s.offset, s.numel, s.sparse, s.k) for s in b.slots]) + ((b.comm,) if b.comm else ()) for b in self.buffers]
+            [
+                (b.index, b.channel, [(s.name, s.offset, s.numel, s.sparse, s.k) for s in b.slots]) + ((b.comm,) if b.comm else ())
+                for b in self.buffers
+            ]
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
