@@ -646,7 +646,9 @@ class FusionEngine:
         return value.get(self.channels.device) if isinstance(value, Completed) else value
 
     def _wait(self, buffer: Buffer, pending: PendingReduction) -> Reduced:
-        what = f"buffer {buffer.index} ({self.communicator.name} on process group {buffer.channel % len(self.channels)})"
+        # under a per-buffer communicator the buffer's own scheme too: "auto: zen"
+        scheme = f"{self.communicator.name}: {buffer.comm}" if buffer.comm else self.communicator.name
+        what = f"buffer {buffer.index} ({scheme} on process group {buffer.channel % len(self.channels)})"
         with self.timeline.span("wait", buffer.index):
             return self._guarded(what, pending.wait)
 
