@@ -249,10 +249,12 @@ def train_auto(steps: int = 8, **options) -> dict:
     strategy = ssf.SSFusionStrategy(**{**preset, "density": 0.1, "buffer_mb": 0.002, **options})
     make_trainer(strategy, steps).fit(model, DataLoader(regression_data(), batch_size=16))
     engine_plan = strategy._final_engine_state["plan"]
+    costs = strategy._final_engine_state["costs"]
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "comm": [b["comm"] for b in engine_plan["buffers"]],
-        "measured": strategy._final_engine_state["costs"] is not None,
+        "measured": costs is not None,
+        "spread": None if costs is None else costs["selection_spread"],
     }
 
 
@@ -270,6 +272,14 @@ def test_auto_runs_its_sparse_candidates_alike_on_every_rank(pool4):
     results = pool4.run(train_auto, comm_options={"schemes": ["allgather", "zen", "sparcml", "oktopk"]})
     assert results[0]["measured"] and all(c in ("allgather", "zen", "sparcml", "oktopk") for c in results[0]["comm"])
     check_identical(results)
+
+
+def test_the_selections_spread_is_measured_and_agreed(pool4):
+    # randomk: every rank draws the same positions, so the sums have k nonzeros: spread 0
+    shared = pool4.run(train_auto, sparsifier="randomk", fusion="ahead")
+    assert [r["spread"] for r in shared] == [0.0] * 4
+    topk = pool4.run(train_auto, sparsifier="topk", fusion="ahead")
+    assert len({r["spread"] for r in topk}) == 1 and 0.0 <= topk[0]["spread"] <= 1.0
 
 
 def test_auto_runs_hierarchical_candidates_on_2_nodes_of_2_ranks(pool4):

@@ -16,6 +16,9 @@ summed in fp32 and cast once). Every node receives the same cross-node sums and 
 same way, so every rank ends bitwise identical. ``cross="oktopk"`` selects again: each stripe
 keeps about k / ranks_per_node entries of its sum (Ok-Topk's top-k), and the positions kept are
 reported as applied, so the engine's error feedback keeps, on every rank, what was not applied.
+
+The bytes a rank moves (``Traffic``) count both links: the node-local reduce-scatter and
+all-gather as well as the cross-node step.
 """
 
 from __future__ import annotations
