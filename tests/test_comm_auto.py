@@ -272,14 +272,42 @@ def test_auto_runs_its_sparse_candidates_alike_on_every_rank(pool4):
     results = pool4.run(train_auto, comm_options={"schemes": ["allgather", "zen", "sparcml", "oktopk"]})
     assert results[0]["measured"] and all(c in ("allgather", "zen", "sparcml", "oktopk") for c in results[0]["comm"])
     check_identical(results)
+    # the selections' spread, measured on the first rounds' sums, is agreed like every other cost
+    assert len({r["spread"] for r in results}) == 1 and 0.0 <= results[0]["spread"] <= 1.0
 
 
-def test_the_selections_spread_is_measured_and_agreed(pool4):
+def test_shared_positions_measure_no_spread(pool4):
     # randomk: every rank draws the same positions, so the sums have k nonzeros: spread 0
     shared = pool4.run(train_auto, sparsifier="randomk", fusion="ahead")
     assert [r["spread"] for r in shared] == [0.0] * 4
-    topk = pool4.run(train_auto, sparsifier="topk", fusion="ahead")
-    assert len({r["spread"] for r in topk}) == 1 and 0.0 <= topk[0]["spread"] <= 1.0
+
+
+def resume_auto(path: str) -> tuple[list[str], list[str], bool]:
+    """Train 6 steps and checkpoint, then resume to step 9: the plan's choices come back as
+    they were saved, and the saved costs are used (nothing is profiled again)."""
+    L.seed_everything(0, verbose=False)
+    options = dict(sparsifier="topk", density=0.1, fusion="ahead", comm="auto", offload="none", buffer_mb=0.002)
+    first = ssf.SSFusionStrategy(**options)
+    trainer = make_trainer(first, 6)
+    trainer.fit(Regressor(), DataLoader(regression_data(), batch_size=16))
+    trainer.save_checkpoint(path)
+    torch.distributed.barrier()
+    second = ssf.SSFusionStrategy(**options)
+    resumed: dict = {}
+
+    class Peek(L.Callback):
+        def on_train_start(self, trainer, module):
+            resumed["comm"] = [b.comm for b in second.engine.plan.buffers]
+            resumed["profiling"] = second.engine._profiler is not None
+
+    make_trainer(second, 9, callbacks=[Peek()]).fit(Regressor(), DataLoader(regression_data(), batch_size=16), ckpt_path=path)
+    saved = [b["comm"] for b in first._final_engine_state["plan"]["buffers"]]
+    return saved, resumed["comm"], resumed["profiling"]
+
+
+def test_a_resumed_run_keeps_the_choices_of_the_checkpoint(pool4, tmp_path):
+    for saved, restored, profiling in pool4.run(resume_auto, str(tmp_path / "auto.ckpt")):
+        assert saved == restored and all(saved) and not profiling
 
 
 def test_auto_runs_hierarchical_candidates_on_2_nodes_of_2_ranks(pool4):
