@@ -63,7 +63,9 @@ GOODPUT = 0.95
 BUCKET_BYTES = 25 * 2**20
 WORLDS = [2**i for i in range(1, 11)]
 DDP_LIKE = ("ddp", "ddp_fp16", "ddp_powersgd")
-#: the collective each engine scheme uses for its sparse part (preset comm; hybrid = allgather + ring)
+#: the collective each engine scheme uses for its sparse part (the preset's comm when the committed e2e
+#: runs were measured; hybrid = allgather + ring). The ssfusion preset has chosen per buffer since
+#: (comm auto): its plan is projected under that choice as the ``auto`` row
 SPARSE_KIND = {
     "ssfusion": "allgather", "ssfusion_dense": "allgather", "safusion": "allgather", "adtopk": "allgather",
     "layerwise": "allgather", "behind": "allgather", "zen": "zen", "oktopk": "oktopk", "sparcml": "sparcml",
