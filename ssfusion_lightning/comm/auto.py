@@ -17,6 +17,8 @@ import logging
 import threading
 from typing import Any, Sequence
 
+import torch.distributed as dist
+
 from ssfusion_lightning.comm.base import COMMUNICATORS, CommContext, Communicator, PendingReduction, Reduced
 from ssfusion_lightning.comm.channels import ChannelSet
 from ssfusion_lightning.comm.schemes import index_bytes
@@ -98,15 +100,18 @@ class AutoCommunicator(Communicator):
             scheme = choose_scheme(shape, links, candidates, costs.selection_spread, hierarchy)
             buffers.append(Buffer(buffer.index, buffer.slots, buffer.channel, scheme))
             notes.append(scheme)
-            seconds = scheme_seconds(scheme, shape, links, costs.selection_spread, hierarchy)
-            log.info(
-                "ssfusion auto: buffer %d (%d dense, %d sparse, k=%d, P=%d, %s costs) -> %s (modelled %.3g ms)",
-                buffer.index, shape.dense, shape.sparse, shape.k, context.world_size,
-                "measured" if costs.measured else "default", scheme, 1e3 * seconds,
-            )
+            if _rank() == 0:  # every rank chose the same: one log line per buffer, not P
+                seconds = scheme_seconds(scheme, shape, links, costs.selection_spread, hierarchy)
+                log.info(
+                    "ssfusion auto: buffer %d (%d dense, %d sparse, k=%d, P=%d, %s costs) -> %s (modelled %.3g ms)",
+                    buffer.index, shape.dense, shape.sparse, shape.k, context.world_size,
+                    "measured" if costs.measured else "default", scheme, 1e3 * seconds,
+                )
         return Plan(tuple(buffers), {**plan.notes, "comm": notes})
 
-    def _candidates(self, layout: tuple[int, int] | None, costs: CostProfile) -> tuple[tuple[str, ...], tuple[Links, Links] | None]:
+    def _candidates(
+        self, layout: tuple[int, int] | None, costs: CostProfile
+    ) -> tuple[tuple[str, ...], tuple[Links, Links] | None]:
         """The schemes that apply on this layout, and the (node-local, cross-node) links of the
         hierarchical ones; with no node of several ranks among several nodes, the flat ones only."""
         flat = tuple(s for s in self.schemes if not s.startswith(HIERARCHICAL))
@@ -156,6 +161,10 @@ class AutoCommunicator(Communicator):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, runner in self._runners.items():
             runner.load_state_dict(state.get(name, {}))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _runner_for(scheme: str) -> Communicator:
