@@ -37,10 +37,12 @@ from ssfusion_lightning.comm.oktopk import OkTopkState, oktopk_reduce
 from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype
 from ssfusion_lightning.comm.topology import Hierarchy
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
+from ssfusion_lightning.commcost import SCHEMES
 from ssfusion_lightning.engine.plan import Buffer, Plan
 from ssfusion_lightning.fusion.base import Encoded
 
-CROSS_SCHEMES = ("allreduce", "allgather", "zen", "sparcml", "oktopk")
+#: every flat scheme can be the cross-node step
+CROSS_SCHEMES = SCHEMES
 
 
 def stripe_length(numel: int, ranks_per_node: int) -> int:
@@ -78,7 +80,8 @@ def hierarchical_dense_sum(tensor: Tensor, hierarchy: Hierarchy, traffic: Traffi
     """The sum over every rank of ``tensor``: reduce-scatter in the node, all-reduce of the stripe
     across nodes, all-gather in the node."""
     numel = tensor.numel()
-    stripe = _node_reduce_scatter(_padded(tensor, stripe_length(numel, hierarchy.ranks_per_node) * hierarchy.ranks_per_node), hierarchy, traffic)
+    padded = _padded(tensor, stripe_length(numel, hierarchy.ranks_per_node) * hierarchy.ranks_per_node)
+    stripe = _node_reduce_scatter(padded, hierarchy, traffic)
     if hierarchy.nodes > 1:
         dist.all_reduce(stripe, group=hierarchy.cross)
         nbytes = ring_allreduce_bytes(stripe.numel(), stripe.element_size(), hierarchy.nodes)
