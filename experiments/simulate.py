@@ -5,19 +5,25 @@ the emulated-cluster measurements (experiments/bench_e2e.py) at the measured P.
     python -m experiments.simulate --gpu-json experiments/gpu/results/gpu_cuda.json   # + paper-size throughput
     python -m experiments.simulate --e2e DIR --out DIR --no-report  # other inputs / outputs
 
-Model (ALGORITHMS.md section 7), per rank and step, v = 4 value bytes, x = 8 index bytes (x_ag = 4:
-the allgather sends int32 positions):
+Model (ALGORITHMS.md section 7), per rank and step, v = 4 value bytes, x = 4 index bytes (int32
+positions, every scheme). DDP's baselines, per bucket:
 
     dense ring (ddp)      2(P-1)/P * n * v                  2(P-1) alpha per bucket
     fp16 hook             2(P-1)/P * n * 2                  2(P-1) alpha per bucket
     PowerSGD hook         2(P-1)/P * c * v  (c = measured compressed payload, independent of P)  4(P-1) alpha per bucket
-    engine dense part     2(P-1)/P * F * v  (F = elements the plan sends dense)
-    allgather / hybrid    (P-1) * k * (v+x_ag)              (P-1) alpha per buffer (every benchmarked
-                                                            sparsifier bounds its count by the plan's k:
-                                                            no count round)
-    zen                   (P-1)/P * [k(v+x) + K*v + N/8], K = N(1-(1-k/N)^P) (independent selections)   3(P-1) alpha
-    oktopk                3(P-1)/P * k * (v+x) (the bound) 4(P-1) alpha
-    sparcml               sum over log2 P rounds of N(1-(1-k/N)^(2^r)) * (v+x)   2 log2 P alpha
+
+The engine's schemes use the per-buffer formulas of ssfusion_lightning/commcost.py (the ones the
+``auto`` communicator decides with), on links with per-round latency alpha: an all-reduce costs
+2(P-1) alpha, an allgather or all_to_all P-1, a point-to-point message one
+(``Links.from_round_latency``). Each of the plan's buffers gets an equal share of F (elements sent
+dense), N (sparse elements) and k (selected per step), independent selections:
+
+    engine dense part     2(P-1)/P * F * v
+    allgather / hybrid    (P-1) * k * (v+x)   (every benchmarked sparsifier bounds its count by k: no count round)
+    zen                   (P-1)/P * [k(v+x) + min(N/8 + K v, K (v+x))], K = N(1-(1-k/N)^P)
+    oktopk                3(P-1)/P * k * (v+x) + the threshold grid's counts + the exact threshold's gather / 32
+    sparcml               sum over log2 P rounds of N(1-(1-k/N)^(2^r)) * (v+x), 2 messages a round
+    auto                  per buffer, the scheme with the least modelled time
 
 with k, N (sparse elements) and F from the engine's plan recorded in e2e_runs.csv. Time:
 ``comm = latency + bytes / bandwidth``; ``exposed = max(0, comm - (1 - 1/buffers) * backward)``
@@ -45,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ssfusion_lightning.commcost import BufferShape, Links, buffer_seconds, choose_scheme
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 REPORT = HERE / "REPORT.md"
@@ -55,13 +63,19 @@ GOODPUT = 0.95
 BUCKET_BYTES = 25 * 2**20
 WORLDS = [2**i for i in range(1, 11)]
 DDP_LIKE = ("ddp", "ddp_fp16", "ddp_powersgd")
-#: the collective each engine scheme uses for its sparse part (preset comm; hybrid = allgather + ring)
+#: the collective each engine scheme uses for its sparse part (the preset's comm when the committed e2e
+#: runs were measured; hybrid = allgather + ring). The ssfusion preset has chosen per buffer since
+#: (comm auto): its plan is projected under that choice as the ``auto`` row
 SPARSE_KIND = {
     "ssfusion": "allgather", "ssfusion_dense": "allgather", "safusion": "allgather", "adtopk": "allgather",
     "layerwise": "allgather", "behind": "allgather", "zen": "zen", "oktopk": "oktopk", "sparcml": "sparcml",
+    "auto": "auto",
 }
 PROJECTED = ("ddp", "ddp_fp16", "ddp_powersgd", "ssfusion", "safusion", "adtopk", "zen", "oktopk", "sparcml",
-             "layerwise", "behind")
+             "layerwise", "behind", "auto")
+#: schemes projected from another scheme's measured run (same selection, another collective):
+#: SparCML is ZEN's alternative; auto is the ssfusion preset's collective
+STAND_IN = {"sparcml": "zen", "auto": "ssfusion"}
 #: paper-size links (ZEN's testbed: 25 and 100 Gbit/s Ethernet) and their per-round latency
 PAPER_LINKS = {"25gbit": (25e3, 10e-6), "100gbit": (100e3, 10e-6)}
 
@@ -87,8 +101,36 @@ def ring(nbytes: float, world: int) -> float:
     return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
 
 
-def scheme_bytes(scheme: str, w: Workload, world: int) -> float:
-    """Bytes one rank receives per step (ALGORITHMS.md section 7)."""
+def links_for(world: int, rate_mbit: float, alpha: float) -> Links:
+    return Links.from_round_latency(world, alpha, rate_mbit * 1e6 / 8 * GOODPUT)
+
+
+#: seconds of the byte-only model are bytes: no latency, one byte per second
+BYTES_ONLY = 0.0, 1.0
+
+
+def engine_kind(scheme: str, w: Workload, links: Links) -> str:
+    """The collective the engine scheme uses for its buffers (``auto``: the modelled fastest)."""
+    kind = SPARSE_KIND[scheme]
+    return choose_scheme(buffer_shape(w), links) if kind == "auto" else kind
+
+
+def buffer_shape(w: Workload) -> BufferShape:
+    """One of the plan's buffers: an equal share of F, N and k."""
+    b = max(1, w.buffers)
+    return BufferShape(w.dense_elements / b, max(1, w.sparse_elements) / b, w.sparse_k / b, V, X)
+
+
+def engine_seconds(scheme: str, w: Workload, links: Links, choose_with: Links | None = None) -> float:
+    """Every buffer's communication under the engine scheme (commcost's formulas); the scheme of
+    ``auto`` is chosen on ``choose_with`` (default: ``links``)."""
+    kind = engine_kind(scheme, w, choose_with or links)
+    return max(1, w.buffers) * buffer_seconds(kind, buffer_shape(w), links)
+
+
+def scheme_bytes(scheme: str, w: Workload, world: int, rate_mbit: float = 10_000.0, alpha: float = 0.0) -> float:
+    """Bytes one rank receives per step (ALGORITHMS.md section 7); ``auto``'s choice depends on the
+    link (``rate_mbit``, ``alpha``)."""
     if world <= 1:
         return 0.0
     if scheme == "ddp":
@@ -97,41 +139,23 @@ def scheme_bytes(scheme: str, w: Workload, world: int) -> float:
         return ring(w.params * 2, world)
     if scheme == "ddp_powersgd":
         return ring(w.psgd_payload, world)
-    dense = ring(w.dense_elements * V, world)
-    k, n = w.sparse_k, max(1, w.sparse_elements)
-    kind = SPARSE_KIND[scheme]
-    if kind == "allgather":
-        return dense + (world - 1) * k * (V + X)
-    if kind == "zen":
-        union = n * (1 - (1 - min(1.0, k / n)) ** world)
-        return dense + (world - 1) / world * (k * (V + X) + union * V + n / 8)
-    if kind == "oktopk":
-        return dense + 3 * (world - 1) / world * k * (V + X)
-    if kind == "sparcml":
-        rounds = max(1, math.ceil(math.log2(world)))
-        return dense + sum(n * (1 - (1 - min(1.0, k / n)) ** (2**r)) * (V + X) for r in range(rounds))
-    raise ValueError(scheme)
+    return engine_seconds(scheme, w, Links.from_round_latency(world, *BYTES_ONLY), links_for(world, rate_mbit, alpha))
 
 
-def scheme_rounds(scheme: str, w: Workload, world: int) -> float:
-    """Latency-bound rounds per step (each costs alpha)."""
+def ddp_rounds(scheme: str, w: Workload, world: int) -> float:
+    """Latency-bound rounds per step of DDP's baselines (each costs alpha)."""
     if world <= 1:
         return 0.0
-    buffers = max(1, w.buffers)
-    if scheme in ("ddp", "ddp_fp16"):
-        return 2 * (world - 1) * buffers
-    if scheme == "ddp_powersgd":
-        return 4 * (world - 1) * buffers
-    dense = 2 * (world - 1) * buffers if w.dense_elements else 0
-    kind = SPARSE_KIND[scheme]
-    per_buffer = {"allgather": world - 1, "zen": 3 * (world - 1), "oktopk": 4 * (world - 1),
-                  "sparcml": 2 * max(1, math.ceil(math.log2(world)))}[kind]
-    return dense + per_buffer * buffers
+    return (4 if scheme == "ddp_powersgd" else 2) * (world - 1) * max(1, w.buffers)
 
 
 def comm_seconds(scheme: str, w: Workload, world: int, rate_mbit: float, alpha: float) -> float:
-    bandwidth = rate_mbit * 1e6 / 8 * GOODPUT
-    return scheme_rounds(scheme, w, world) * alpha + scheme_bytes(scheme, w, world) / bandwidth
+    if world <= 1:
+        return 0.0
+    if scheme in DDP_LIKE:
+        bandwidth = rate_mbit * 1e6 / 8 * GOODPUT
+        return ddp_rounds(scheme, w, world) * alpha + scheme_bytes(scheme, w, world) / bandwidth
+    return engine_seconds(scheme, w, links_for(world, rate_mbit, alpha))
 
 
 def exposed_seconds(comm: float, compute: float, buffers: int) -> float:
@@ -210,8 +234,8 @@ def plan_for(plans: dict[tuple, Workload], world: int, rate: str, workload: str,
     same = [w for (p, r, wl, s), w in plans.items() if wl == workload and s == scheme]
     if same:
         return same[0]
-    if scheme == "sparcml":  # ZEN's alternative: the zen run's plan (same selection)
-        return plan_for(plans, world, rate, workload, "zen")
+    if scheme in STAND_IN:
+        return plan_for(plans, world, rate, workload, STAND_IN[scheme])
     return None
 
 
@@ -267,7 +291,7 @@ def check(rows: list[dict], plans: dict[tuple, Workload], alpha: float, base_wor
         compress = b["compress_s"] if r["scheme"] not in DDP_LIKE else 0.0
         predicted = r["compute_s"] + compress + exposed + other
         measured_exposed = r["exposed_s"]
-        predicted_bytes = scheme_bytes(r["scheme"], w, r["world"])
+        predicted_bytes = scheme_bytes(r["scheme"], w, r["world"], rate, alpha)
         out.append({
             "world": r["world"], "rate": r["rate"], "workload": r["workload"], "scheme": r["scheme"],
             "measured_step_ms": r["step_s"] * 1e3, "predicted_step_ms": predicted * 1e3,
@@ -294,7 +318,7 @@ def project_twins(rows, plans, alpha, base_world, unshaped, worlds=WORLDS) -> li
         for world in worlds:
             ddp_step = None
             for scheme in PROJECTED:
-                source = measured.get(scheme) or (measured.get("zen") if scheme == "sparcml" else None)
+                source = measured.get(scheme) or measured.get(STAND_IN.get(scheme, ""))
                 w = plan_for(plans, base_world, rate, workload, scheme)
                 if source is None or w is None:
                     continue
@@ -306,7 +330,7 @@ def project_twins(rows, plans, alpha, base_world, unshaped, worlds=WORLDS) -> li
                     ddp_step = step
                 out.append({
                     "kind": "twin", "workload": workload, "link": rate, "rate_mbit": link, "alpha_us": alpha * 1e6,
-                    "world": world, "scheme": scheme, "bytes_per_step": scheme_bytes(scheme, w, world),
+                    "world": world, "scheme": scheme, "bytes_per_step": scheme_bytes(scheme, w, world, link, alpha),
                     "comm_ms": comm * 1e3, "exposed_ms": exposed * 1e3, "compute_ms": compute_s * 1e3,
                     "step_ms": step * 1e3, "samples_per_s": world * batch / step,
                     "x_ddp": (ddp_step / step) if ddp_step else None, "compute_source": f"measured compute_only, P={base_world}",
@@ -364,7 +388,7 @@ def project_paper(gpu: dict | None, worlds=WORLDS) -> list[dict]:
                         exposed = step = None
                     out.append({
                         "kind": "paper", "workload": w.name, "link": link, "rate_mbit": rate_mbit, "alpha_us": alpha * 1e6,
-                        "world": world, "scheme": scheme, "bytes_per_step": scheme_bytes(scheme, w, world),
+                        "world": world, "scheme": scheme, "bytes_per_step": scheme_bytes(scheme, w, world, rate_mbit, alpha),
                         "comm_ms": comm * 1e3, "exposed_ms": None if exposed is None else exposed * 1e3,
                         "compute_ms": None if compute is None else compute * 1e3,
                         "step_ms": None if step is None else step * 1e3,
@@ -412,6 +436,13 @@ def claims(projection: list[dict]) -> list[dict[str, Any]]:
                 "ssfusion16_vs_zen": get(16, "zen") / get(16, "ssfusion"),
                 "ssfusion256_vs_oktopk": get(256, "oktopk") / get(256, "ssfusion"),
                 "ssfusion256_vs_ddp": get(256, "ddp") / get(256, "ssfusion"),
+                "auto256_vs_ddp": get(256, "ddp") / get(256, "auto"),
+                # the issue-16 target, over every projected P: auto against the best fixed scheme
+                # on the same plan (allgather-hybrid, zen, oktopk, sparcml, dense ring)
+                "auto_vs_best_fixed_worst": min(
+                    min(get(p, s) for s in ("ssfusion", "zen", "oktopk", "sparcml", "ddp")) / get(p, "auto")
+                    for p in sorted({r["world"] for r in projection if r["kind"] == "paper"})
+                ),
             })
     return out
 
@@ -453,11 +484,13 @@ def markdown(check_rows: list[dict], projection: list[dict], alpha: float, base_
                   "ZEN up to 5.09x communication time over the best prior sparse scheme at 16 machines; Ok-Topk "
                   "3.29x-12.95x throughput over other sparse allreduces for BERT at 256 GPUs.", "",
                   "| workload | link | ZEN@16 vs best of allgather/SparCML | Ok-Topk@256 vs best of allgather/ZEN/SparCML "
-                  "| ssfusion@16 vs ZEN | ssfusion@256 vs Ok-Topk | ssfusion@256 vs dense ring |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
+                  "| ssfusion@16 vs ZEN | ssfusion@256 vs Ok-Topk | ssfusion@256 vs dense ring | auto@256 vs dense ring "
+                  "| auto vs best fixed (worst P) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in claim_rows:
             lines.append(f"| {r['workload']} | {r['link']} | {r['zen16_vs_best_prior']:.2f} | {r['oktopk256_vs_best_other']:.2f} | "
-                         f"{r['ssfusion16_vs_zen']:.2f} | {r['ssfusion256_vs_oktopk']:.2f} | {r['ssfusion256_vs_ddp']:.2f} |")
+                         f"{r['ssfusion16_vs_zen']:.2f} | {r['ssfusion256_vs_oktopk']:.2f} | {r['ssfusion256_vs_ddp']:.2f} | "
+                         f"{r['auto256_vs_ddp']:.2f} | {r['auto_vs_best_fixed_worst']:.2f} |")
         lines.append("")
     return "\n".join(lines)
 

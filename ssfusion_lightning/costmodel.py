@@ -14,19 +14,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ssfusion_lightning.commcost import Link
+
 #: the allgather scheme sends positions as int32 (every fusion buffer has < 2**31 elements)
 INDEX_BYTES = 4
-
-
-@dataclass(frozen=True)
-class Link:
-    """alpha-beta model of one collective: seconds = alpha + beta * bytes (bytes per rank)."""
-
-    alpha: float
-    beta: float
-
-    def seconds(self, nbytes: float) -> float:
-        return self.alpha + self.beta * nbytes if nbytes > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +33,13 @@ class CostProfile:
     #: CPU seconds one more buffer costs (its pack and launch on the main thread, its collective's
     #: work on a channel thread): on a rank with few cores it is taken from the backward
     buffer_overhead: float = 0.0
+    #: how far the ranks' selections spread (see ``commcost.expected_nonzeros``): 1 for independent
+    #: selections (the assumption until measured), 0 when every rank selects the same positions
+    selection_spread: float = 1.0
+    #: allgather alpha-beta on the node-local and on the cross-node groups (hierarchical layouts;
+    #: the defaults until measured)
+    node_link: Link = Link(50e-6, 1e-9)
+    cross_link: Link = Link(50e-6, 1e-9)
 
     def compress_seconds(self, numel: int) -> float:
         return self.compress_fixed + self.compress_per_element * numel
@@ -144,10 +142,21 @@ def measure_link(
 
 
 def agree(
-    local: list[float], names: Sequence[str], links: dict[str, Link], world_size: int, group: dist.ProcessGroup | None, device: torch.device
+    local: list[float],
+    names: Sequence[str],
+    links: dict[str, Link],
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    selection_spread: float = 1.0,
 ) -> CostProfile:
-    """Elementwise max over ranks of every measured number, so all ranks hold the same profile."""
+    """Elementwise max over ranks of every measured number, so all ranks hold the same profile
+    (for the selections' spread the max is the cautious side: more nonzeros in the sums).
+    ``links`` holds "allreduce" and "allgather", and "node" and "cross" on hierarchical layouts."""
+    defaults = CostProfile()
+    node, cross = links.get("node", defaults.node_link), links.get("cross", defaults.cross_link)
     values = local + [links["allreduce"].alpha, links["allreduce"].beta, links["allgather"].alpha, links["allgather"].beta]
+    values += [selection_spread, node.alpha, node.beta, cross.alpha, cross.beta]
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -160,6 +169,9 @@ def agree(
         buffer_overhead=agreed[n + 2],
         allreduce=Link(agreed[n + 3], agreed[n + 4]),
         allgather=Link(agreed[n + 5], agreed[n + 6]),
+        selection_spread=agreed[n + 7],
+        node_link=Link(agreed[n + 8], agreed[n + 9]),
+        cross_link=Link(agreed[n + 10], agreed[n + 11]),
         world_size=world_size,
         measured=True,
     )

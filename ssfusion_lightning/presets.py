@@ -7,12 +7,12 @@ from typing import Any
 #: name -> (description, SSFusionStrategy keyword arguments)
 SYSTEM_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "ssfusion": (
-        "SSFusion: selective sparsification, sparsification offloading, interleaved hybrid communication",
-        {"sparsifier": "dgc", "fusion": "selective", "comm": "hybrid", "offload": "auto", "start_method": "popen"},
+        "SSFusion: selective sparsification, sparsification offloading, per-buffer collective from the cost model",
+        {"sparsifier": "dgc", "fusion": "selective", "comm": "auto", "offload": "auto", "start_method": "popen"},
     ),
     "ssfusion_spawn": (
         "SSFusion with the spawn launcher",
-        {"sparsifier": "dgc", "fusion": "selective", "comm": "hybrid", "offload": "auto", "start_method": "spawn"},
+        {"sparsifier": "dgc", "fusion": "selective", "comm": "auto", "offload": "auto", "start_method": "spawn"},
     ),
     "safusion": (
         "SAFusion: sparsification-ahead fusion, inter-worker alignment, adaptive buffer sizing",

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
+from ssfusion_lightning.comm.topology import Hierarchy, create_hierarchy
 from ssfusion_lightning.engine.engine import NONFINITE_POLICIES, EngineConfig, FusionEngine
 from ssfusion_lightning.engine.errors import CommunicationError
 from ssfusion_lightning.engine.metrics import StepMetrics
@@ -119,6 +120,10 @@ class SSFusionStrategy(DDPStrategy):
             step; error feedback and sparsifier thresholds never absorb it. Under fp16 mixed precision
             with a GradScaler the step is the scaler's instead: every rank writes inf into the
             gradients, so the scaler skips the step and lowers its scale, as under DDP.
+        ranks_per_node: ranks that share a node (its fast link), for ``comm="hierarchical"`` and
+            the hierarchical candidates of ``comm="auto"`` (default: Lightning's devices per node).
+            Global ranks are node-major. A smaller value than the real one emulates several nodes
+            on one machine (e.g. 4 ranks as 2 x 2).
         comm_options, fusion_options, memory_options: constructor options of the named communicator,
             fusion policy and memory (e.g. ``comm_options={"choice": "sparcml"}`` for ``comm="zen"``).
         timeout: as DDP's; also bounds every collective of the strategy's own process groups, so a
@@ -138,6 +143,7 @@ class SSFusionStrategy(DDPStrategy):
         memory: str = "residual",
         fusion: str = "selective",
         comm: str = "hybrid",
+        ranks_per_node: Optional[int] = None,
         buffer_mb: float | str = "auto",
         first_buffer_mb: Optional[float] = None,
         process_groups: int = 2,
@@ -194,6 +200,13 @@ class SSFusionStrategy(DDPStrategy):
         self.memory_name = _choice("memory", memory, MEMORIES.names())
         self.fusion_name = _choice("fusion policy", fusion, FUSION_POLICIES.names())
         self.comm_name = _choice("comm", comm, COMMUNICATORS.names())
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
+            raise ValueError(
+                f"ranks_per_node must be an integer >= 1 or None (Lightning's devices per node), got {ranks_per_node!r}"
+            )
+        self.ranks_per_node = ranks_per_node
         self.offload = _choice("offload", offload, OFFLOAD_CHOICES)
         self.buffer_mb = "auto" if buffer_mb == "auto" else _positive_mib("buffer_mb", buffer_mb, ' or "auto"')
         self.first_buffer_mb = (
@@ -283,6 +296,7 @@ class SSFusionStrategy(DDPStrategy):
                 "memory": self.memory_name,
                 "fusion": self.fusion_name,
                 "comm": self.comm_name,
+                "ranks_per_node": self.ranks_per_node,
                 "buffer_mb": self.buffer_mb,
                 "first_buffer_mb": self.first_buffer_mb,
                 "process_groups": self.process_groups,
@@ -323,8 +337,13 @@ class SSFusionStrategy(DDPStrategy):
             if isinstance(self.sparsifier_spec, Sparsifier)
             else SPARSIFIERS.build(self.sparsifier_spec, density=self.density)
         )
-        self._groups = self._create_groups()
-        channels = ChannelSet(self._groups if self._groups else [None], self.root_device)
+        communicator = COMMUNICATORS.build(self.comm_name, **self.comm_options)
+        flat = self._create_groups()
+        hierarchies = None
+        if communicator.needs_hierarchy or communicator.may_use_hierarchy:
+            hierarchies = self._create_hierarchies(len(flat), required=communicator.needs_hierarchy)
+        self._groups = flat + [g for h in hierarchies or () for g in (h.local, h.cross) if g is not None]
+        channels = ChannelSet(flat if flat else [None], self.root_device, hierarchies)
         sparse_ids = {
             id(module.weight)
             for module in self.model.modules()
@@ -335,7 +354,7 @@ class SSFusionStrategy(DDPStrategy):
             sparsifier,
             MEMORIES.build(self.memory_name, **self.memory_options),
             FUSION_POLICIES.build(self.fusion_name, **self.fusion_options),
-            COMMUNICATORS.build(self.comm_name, **self.comm_options),
+            communicator,
             channels,
             EngineConfig(
                 buffer_bytes=None if self.buffer_mb == "auto" else self.buffer_mb * 1024 * 1024,
@@ -381,6 +400,19 @@ class SSFusionStrategy(DDPStrategy):
                 "training dataloader has no length; set density_warmup_steps instead"
             )
         return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+
+    def _create_hierarchies(self, channels: int, required: bool) -> list[Hierarchy] | None:
+        """One node-local and one cross-node group per channel (a channel's collectives never share
+        a group with another's), created on every rank in the same order; a single process is one
+        node of one rank. Unless ``required``, only where several nodes hold several ranks each
+        (elsewhere a hierarchy changes nothing, and 1 + P groups per channel cost a start-up)."""
+        if not _distributed_is_initialized():
+            return [Hierarchy(None, None, 0, 1, 1)] if required else None
+        per_node = self.ranks_per_node or self.num_processes
+        if not required and not 1 < per_node < self.world_size:
+            return None
+        backend = self._get_process_group_backend()
+        return [create_hierarchy(self.global_rank, self.world_size, per_node, backend, self._timeout) for _ in range(channels)]
 
     def teardown(self) -> None:
         if self.engine is not None:

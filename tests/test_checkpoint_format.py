@@ -269,7 +269,7 @@ def saves_run(directory: str, strategy: str, save_top_k: int, epochs: int):
 
 @pytest.mark.parametrize("save_top_k", [-1, 0])
 def test_no_torch_save_call_that_ddp_would_not_make(pool2, tmp_path, save_top_k):
-    # "ssfusion" with its preset's defaults: dgc, selective fusion, hybrid comm, offload auto
+    # "ssfusion" with its preset's defaults: dgc, selective fusion, auto comm, offload auto
     epochs = 3
     expected = [epochs if save_top_k else 0, 0]  # only rank 0 writes, once per epoch
     assert pool2.run(saves_run, str(tmp_path), "ddp", save_top_k, epochs) == expected

@@ -116,8 +116,8 @@ def test_misspelled_group_option_fails_listing_the_valid_choices(tmp_path):
         (
             ["strategy.densty=0.1"],
             "unknown key strategy.densty; valid keys of strategy: name, kind, density, memory, buffer_mb, "
-            "first_buffer_mb, process_groups, offload, warmup_steps, density_warmup_steps, density_warmup_epochs, "
-            "density_warmup_stages, start_method, find_unused_parameters, "
+            "first_buffer_mb, process_groups, ranks_per_node, offload, warmup_steps, density_warmup_steps, "
+            "density_warmup_epochs, density_warmup_stages, start_method, find_unused_parameters, "
             "broadcast_buffers, nonfinite, timeout, memory_options; a new key is added with a leading +: "
             "+strategy.densty=0.1",
         ),
@@ -297,7 +297,7 @@ def test_first_buffer_cap_reaches_the_strategy_and_null_means_buffer_mb():
         (
             "+strategy.nonfinte=skip",
             "unknown key strategy.nonfinte; valid keys of strategy: name, kind, start_method, density, memory, "
-            "buffer_mb, first_buffer_mb, process_groups, offload, warmup_steps, density_warmup_steps, "
+            "buffer_mb, first_buffer_mb, process_groups, ranks_per_node, offload, warmup_steps, density_warmup_steps, "
             "density_warmup_epochs, density_warmup_stages, find_unused_parameters, "
             "broadcast_buffers, nonfinite, timeout, memory_options",
         ),

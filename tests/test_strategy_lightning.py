@@ -41,7 +41,7 @@ def test_strategy_string_reaches_the_trainer():
     trainer = L.Trainer(strategy="ssfusion", accelerator="cpu", devices=2, logger=False)
     strategy = trainer.strategy
     assert isinstance(strategy, ssf.SSFusionStrategy)
-    assert (strategy.fusion_name, strategy.comm_name, strategy.offload) == ("selective", "hybrid", "auto")
+    assert (strategy.fusion_name, strategy.comm_name, strategy.offload) == ("selective", "auto", "auto")
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ssfusion_lightning.comm.channels import ChannelSet, result
 from ssfusion_lightning.comm.traffic import Traffic
+from ssfusion_lightning.costmodel import CostProfile
 from ssfusion_lightning.engine.plan import Buffer, Plan
 from ssfusion_lightning.fusion.base import Encoded
 from ssfusion_lightning.registry import Registry
@@ -48,8 +49,27 @@ class PendingReduction:
         return Reduced(dense, sparse, traffic, applied)
 
 
+@dataclass(frozen=True)
+class CommContext:
+    """What a communicator may decide a plan's per-buffer schemes from; identical on every rank."""
+
+    world_size: int
+    #: the agreed cost profile; None before the costs are measured
+    costs: CostProfile | None
+    #: bytes per value of each buffer (by buffer index)
+    value_bytes: dict[int, int]
+    #: (ranks per node, nodes) when the channels have node-local and cross-node groups
+    layout: tuple[int, int] | None = None
+
+
 class Communicator(ABC):
     name: ClassVar[str] = ""
+    #: the communicator decides from measured costs: the engine profiles the first rounds for it
+    needs_costs: ClassVar[bool] = False
+    #: the communicator runs on node-local and cross-node groups (``Channel.hierarchy``)
+    needs_hierarchy: ClassVar[bool] = False
+    #: the communicator can use those groups when nodes hold several ranks each
+    may_use_hierarchy: ClassVar[bool] = False
     #: the dense part is summed element-wise by one all-reduce, whatever its length: the engine
     #: may append control entries to it (the non-finite vote) instead of a round of their own
     sums_dense: ClassVar[bool] = False
@@ -64,8 +84,23 @@ class Communicator(ABC):
     def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
         """Submit the buffer's collectives (in a fixed order) and return without waiting."""
 
+    def assign(self, plan: Plan, context: CommContext) -> Plan:
+        """The plan with each buffer's scheme recorded (``Buffer.comm``), for communicators that
+        choose per buffer; a pure function of the plan and ``context``, so every rank agrees.
+        This one sends every buffer alike: a choice left by another communicator (a plan resumed
+        from a checkpoint of ``auto``) is cleared, so the plan says what is sent."""
+        if not any(buffer.comm for buffer in plan.buffers):
+            return plan
+        notes = {key: value for key, value in plan.notes.items() if key != "comm"}
+        return Plan(tuple(replace(buffer, comm="") for buffer in plan.buffers), notes)
+
     def set_plan(self, plan: Plan) -> None:
         """The engine's plan changed: drop what was kept for buffers the new plan no longer has."""
+        return None
+
+    def selection_spread(self, world_size: int) -> float | None:
+        """How far the ranks' selections spread, as measured on the sums so far (see
+        ``CostProfile.selection_spread``); None when this communicator measures nothing."""
         return None
 
     def carries_votes(self, buffer: Buffer) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ssfusion_lightning.comm.topology import Hierarchy
 from ssfusion_lightning.engine.timeline import Timeline
 
 
@@ -35,8 +36,13 @@ class Completed:
 class Channel:
     """Runs blocking collectives on one process group, in submission order, off the calling thread."""
 
-    def __init__(self, group: dist.ProcessGroup | None, index: int, device: torch.device) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, index: int, device: torch.device, hierarchy: Hierarchy | None = None
+    ) -> None:
         self.group = group
+        #: this channel's own node-local and cross-node groups (hierarchical communication): a
+        #: channel's collectives never share a group with another channel's
+        self.hierarchy = hierarchy
         self.index = index
         self.device = device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ssfusion-comm{index}")
@@ -92,10 +98,19 @@ def result(future: Future, device: torch.device, timeout: float | None = None) -
 class ChannelSet:
     """The strategy's K process groups, each with its channel; buffers rotate over them."""
 
-    def __init__(self, groups: Sequence[dist.ProcessGroup | None], device: torch.device) -> None:
+    def __init__(
+        self,
+        groups: Sequence[dist.ProcessGroup | None],
+        device: torch.device,
+        hierarchies: Sequence[Hierarchy] | None = None,
+    ) -> None:
         if not groups:
             raise ValueError("a ChannelSet needs at least one process group")
-        self.channels = [Channel(group, i, device) for i, group in enumerate(groups)]
+        if hierarchies is not None and len(hierarchies) != len(groups):
+            raise ValueError(f"a ChannelSet needs one hierarchy per process group: {len(hierarchies)} for {len(groups)} groups")
+        self.channels = [
+            Channel(group, i, device, hierarchies[i] if hierarchies is not None else None) for i, group in enumerate(groups)
+        ]
         self.device = device
 
     def __len__(self) -> int:

@@ -41,6 +41,7 @@ from ssfusion_lightning.comm.schemes import (
     wire_index_dtype,
 )
 from ssfusion_lightning.comm.traffic import Traffic
+from ssfusion_lightning.commcost import BufferShape, Links, sparcml_seconds, zen_seconds
 from ssfusion_lightning.costmodel import Link, measure_link
 from ssfusion_lightning.engine.plan import Buffer, Plan
 from ssfusion_lightning.fusion.base import Encoded
@@ -349,35 +350,17 @@ def zen_or_sparcml(
     """ZEN's choice between balanced parallelism and SparCML from the alpha-beta model (ZEN on a tie).
 
     ``k``: entries each rank sends; ``nonzeros``: K, entries of the summed result (its size
-    measures how much the ranks' selections overlap). Per rank:
-    - zen: 4 rounds (push counts, push pairs, pull counts, pull) moving (P-1)/P * k(v+x) in the
-      push and (P-1)/P * min(n/8 + K v, K(v+x)) in the pull (bitmap or COO);
-    - sparcml: 2 messages (header, set) per recursive-doubling round over P' = 2^floor(log2 P)
-      ranks, the set after r rounds being the union of 2^r selections, estimated from K with
-      independent selections, U(m) = n (1 - (1 - K/n)^(m/P)); P > P' adds the fold and send-back.
-      ``bounded`` (the selections' counts are bounded by k): a rank's own selection travels with
-      its header, so the first doubling round and the fold take one message instead of two.
+    measures how much the ranks' selections overlap). ZEN's model puts every round on one link
+    (``Links.uniform``): zen takes 4 rounds, sparcml 2 messages per recursive-doubling round (see
+    ``commcost.zen_seconds`` and ``commcost.sparcml_seconds``). ``bounded`` (the selections'
+    counts are bounded by k): a rank's own selection travels with its header.
     """
     if world <= 1:
         return "zen"
-    x = index_bytes(numel)
-    pair = value_bytes + x
-    share = (world - 1) / world
-    pull = min(-(-numel // 8) + nonzeros * value_bytes, nonzeros * pair)
-    zen = 4 * link.alpha + link.beta * share * (k * pair + pull)
-
-    def union(members: int) -> float:
-        return numel * (1.0 - (1.0 - min(nonzeros, numel) / numel) ** (members / world)) if numel else 0.0
-
-    core = 1 << (world.bit_length() - 1)
-    sparcml, members = 0.0, world / core  # after the fold a core rank holds P/P' selections
-    while members < world:  # log2 P' doubling rounds
-        first = members == world / core
-        sparcml += (1 if bounded and first and core == world else 2) * link.alpha + link.beta * union(members) * pair
-        members *= 2
-    if core != world:  # the fold (one selection in) and the send-back (the full sum out)
-        sparcml += (3 if bounded else 4) * link.alpha + link.beta * (k + nonzeros) * pair
-    return "zen" if zen <= sparcml else "sparcml"
+    shape = BufferShape(0, numel, k, value_bytes, index_bytes(numel))
+    links = Links.uniform(world, link)
+    zen = zen_seconds(shape, links, nonzeros)
+    return "zen" if zen <= sparcml_seconds(shape, links, nonzeros, bounded) else "sparcml"
 
 
 class _BufferState:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet, Communicator, PendingReduction, Reduced
+from ssfusion_lightning.comm.base import CommContext
 from ssfusion_lightning.comm.channels import Completed
 from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
 from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link
@@ -194,7 +195,8 @@ class FusionEngine:
         self.costs: CostProfile | None = None
         self.offloader = Offloader(config.offload, channels.device) if config.offload != "none" else None
         auto_cut = config.buffer_bytes is None and not sparsifier.is_dense
-        needs_profile = policy.needs_costs or config.offload == "auto" or auto_cut
+        comm_costs = communicator.needs_costs and not sparsifier.is_dense  # dense buffers have one choice
+        needs_profile = policy.needs_costs or config.offload == "auto" or auto_cut or comm_costs
         self._profile_start = max(1, config.warmup_steps)
         self._profile_end = self._profile_start + config.profile_steps if needs_profile else 0
         self._profiler = Profiler(self.names) if needs_profile else None
@@ -238,6 +240,11 @@ class FusionEngine:
             self.set_plan(self._build_plan(self.order, self.costs))
 
     def set_plan(self, plan: Plan) -> None:
+        # a per-buffer communicator records its scheme in the plan, from the agreed costs
+        sizes = {b.index: self.params[b.slots[0].param].element_size() for b in plan.buffers if b.slots}
+        hierarchy = self.channels[0].hierarchy
+        layout = (hierarchy.ranks_per_node, hierarchy.nodes) if hierarchy is not None else None
+        plan = self.communicator.assign(plan, CommContext(self.world_size, self.costs, sizes, layout))
         self.plan = plan
         self._dense_plan = dense_version(plan)
         self._coo_buffers = tuple(
@@ -622,8 +629,13 @@ class FusionEngine:
         """Measure the links on this group, then take every number's max over the ranks."""
         device = self.channels.device
         links = {name: measure_link(name, group, device) for name in ("allreduce", "allgather")}
+        hierarchy = self.channels[0].hierarchy  # this channel's own groups: measured on its thread
+        if hierarchy is not None and hierarchy.nodes > 1 and hierarchy.ranks_per_node > 1:
+            links["node"] = measure_link("allgather", hierarchy.local, device)
+            links["cross"] = measure_link("allgather", hierarchy.cross, device)
         local = self._profiler.local_vector(self.channels.cpu_seconds_per_job())
-        return agree(local, self.names, links, self.world_size, group, device)
+        spread = self.communicator.selection_spread(self.world_size)
+        return agree(local, self.names, links, self.world_size, group, device, 1.0 if spread is None else spread)
 
     def _health_vector(self, out: Tensor | None = None) -> Tensor:
         """One entry per rank, 1 at this rank when any of its gradients this round was non-finite
@@ -671,7 +683,9 @@ class FusionEngine:
         return value.get(self.channels.device) if isinstance(value, Completed) else value
 
     def _wait(self, buffer: Buffer, pending: PendingReduction) -> Reduced:
-        what = f"buffer {buffer.index} ({self.communicator.name} on process group {buffer.channel % len(self.channels)})"
+        # under a per-buffer communicator the buffer's own scheme too: "auto: zen"
+        scheme = f"{self.communicator.name}: {buffer.comm}" if buffer.comm else self.communicator.name
+        what = f"buffer {buffer.index} ({scheme} on process group {buffer.channel % len(self.channels)})"
         with self.timeline.span("wait", buffer.index):
             return self._guarded(what, pending.wait)
 

@@ -53,11 +53,13 @@ class Buffer:
 
     The buffer has two flat index spaces: the dense part (its dense slots, concatenated) and the
     sparse part (its sparse slots, concatenated); sparse indices are positions in the sparse part.
+    ``comm`` names the scheme a per-buffer communicator (``auto``) chose for it; "" for the others.
     """
 
     index: int
     slots: tuple[Slot, ...]
     channel: int
+    comm: str = ""
 
     # cached (the buffer is frozen): the engine reads these for every tensor of every step
     @cached_property
@@ -88,7 +90,13 @@ class Plan:
     notes: dict = field(default_factory=dict, compare=False, hash=False)
 
     def fingerprint(self) -> str:
-        text = repr([(b.index, b.channel, [(s.name, s.offset, s.numel, s.sparse, s.k) for s in b.slots]) for b in self.buffers])
+        # a buffer's scheme counts only when chosen, so plans without one keep their fingerprints
+        text = repr(
+            [
+                (b.index, b.channel, [(s.name, s.offset, s.numel, s.sparse, s.k) for s in b.slots]) + ((b.comm,) if b.comm else ())
+                for b in self.buffers
+            ]
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @cached_property

@@ -68,6 +68,7 @@ def encode_plan(plan: Plan) -> dict[str, Any]:
             {
                 "index": buffer.index,
                 "channel": buffer.channel,
+                "comm": buffer.comm,
                 "slots": [
                     {
                         "name": s.name,
@@ -105,6 +106,7 @@ def decode_plan(data: Any) -> Plan:
                     for s in buffer["slots"]
                 ),
                 channel=int(buffer["channel"]),
+                comm=str(buffer.get("comm", "")),  # absent in checkpoints written before ``auto``
             )
             for buffer in data["buffers"]
         )
@@ -125,6 +127,9 @@ def decode_costs(data: Any) -> CostProfile | None:
         fields["backward"] = {str(k): float(v) for k, v in fields["backward"].items()}
         fields["allreduce"] = Link(**fields["allreduce"])
         fields["allgather"] = Link(**fields["allgather"])
+        for name in ("node_link", "cross_link"):  # absent in checkpoints written before hierarchical layouts
+            if name in fields:
+                fields[name] = Link(**fields[name])
         return CostProfile(**fields)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"corrupted engine state: the saved cost profile cannot be read ({type(error).__name__}: {error})") from None
@@ -249,6 +254,7 @@ RESUME_RULES: dict[str, str] = {
     "process_groups": "replan",
     "comm": "communicator",
     "comm_options": "communicator",
+    "ranks_per_node": "communicator",
     # residual (one tensor per parameter) and dgc (momenta and velocities) state differ in layout
     # and meaning: converting one into the other, or dropping it, would silently change the math
     "memory": "refuse",

@@ -1,0 +1,179 @@
+"""``auto``: per buffer, the scheme the agreed cost model says is fastest.
+
+The choice is ``commcost.choose_scheme`` on the buffer's shape (F dense, N sparse, k selected per
+rank, bytes per value), the agreed alpha-beta links, P and the selections' spread. Every input is
+identical on every rank (the plan, and the cost profile the ranks agreed on with an all-reduce
+max), so every rank records the same scheme in the plan (``Buffer.comm``) and launches the same
+collectives. Before the costs are measured the links are the cost model's defaults and the
+selections are taken as independent: a deterministic first choice.
+
+While the costs are not yet measured, the nonzeros of each exact sparse sum are counted: the sum
+is the same on every rank, and the engine agrees the resulting spread with the other costs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from ssfusion_lightning.comm.base import COMMUNICATORS, CommContext, Communicator, PendingReduction, Reduced
+from ssfusion_lightning.comm.channels import ChannelSet
+from ssfusion_lightning.comm.schemes import index_bytes
+from ssfusion_lightning.commcost import (
+    EXACT_SCHEMES,
+    HIERARCHICAL,
+    HIERARCHICAL_SCHEMES,
+    SCHEMES,
+    BufferShape,
+    Links,
+    choose_scheme,
+    measured_spread,
+    scheme_seconds,
+)
+from ssfusion_lightning.costmodel import CostProfile
+from ssfusion_lightning.engine.plan import Buffer, Plan
+from ssfusion_lightning.fusion.base import Encoded
+
+log = logging.getLogger(__name__)
+
+#: the communicator that runs each flat scheme (the allgather one splits off the dense part, as hybrid)
+RUNNERS = {"allreduce": "allreduce", "allgather": "hybrid", "zen": "zen", "sparcml": "sparcml", "oktopk": "oktopk"}
+RUNNER_OPTIONS = {"zen": {"choice": "zen"}}  # auto chooses between zen and sparcml itself
+CANDIDATES = SCHEMES + HIERARCHICAL_SCHEMES
+#: a buffer the plan did not assign (a sparse-gradient parameter's): summed exactly by allgather
+UNASSIGNED = "allgather"
+
+
+class _Counted(PendingReduction):
+    """A reduction whose sparse sum's nonzeros are recorded when it is waited for."""
+
+    def __init__(self, pending: PendingReduction, record) -> None:
+        self._pending = pending
+        self._record = record
+
+    def wait(self, timeout: float | None = None) -> Reduced:
+        reduced = self._pending.wait(timeout)
+        if reduced.sparse is not None:
+            self._record(int(reduced.sparse.count_nonzero()))
+        return reduced
+
+
+@COMMUNICATORS.register("auto")
+class AutoCommunicator(Communicator):
+    """Per buffer, the fastest of ``schemes`` under the agreed cost model (see the module doc).
+
+    ``schemes``: the candidates, among allreduce, allgather, zen, sparcml, oktopk and
+    "hierarchical:<one of those>" (comm/hierarchical.py with that cross-node step); default: all.
+    The hierarchical ones compete only where nodes hold several ranks each (``ranks_per_node``)
+    and there are several nodes. Leave out oktopk (both forms) for an exact sum everywhere: Ok-Topk
+    keeps about k entries of the sum.
+    """
+
+    name = "auto"
+    needs_costs = True
+    may_use_hierarchy = True
+    sums_dense = True  # every candidate all-reduces the dense part
+
+    def __init__(self, schemes: Sequence[str] = CANDIDATES, **options: Any) -> None:
+        super().__init__(**options)
+        if isinstance(schemes, str) or not schemes or any(s not in CANDIDATES for s in schemes):
+            raise ValueError(f"auto communicator: schemes must be a non-empty list of {', '.join(CANDIDATES)}; got {schemes!r}")
+        self.schemes = tuple(s for s in CANDIDATES if s in schemes)  # one order, whatever order was given
+        self.exact = not any(s.endswith("oktopk") for s in self.schemes)
+        self._runners = {s: _runner_for(s) for s in (*self.schemes, UNASSIGNED)}
+        self._samples: list[tuple[int, int, float]] = []  # (N, k, K) of exact sums before costs
+        self._measuring = True
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ the decision
+    def assign(self, plan: Plan, context: CommContext) -> Plan:
+        costs = context.costs or CostProfile(world_size=context.world_size)
+        links = Links.measured(context.world_size, costs.allreduce, costs.allgather)
+        candidates, hierarchy = self._candidates(context.layout, costs)
+        self._measuring = not costs.measured
+        buffers, notes = [], []
+        for buffer in plan.buffers:
+            shape = buffer_shape(buffer, context.value_bytes.get(buffer.index, 4))
+            scheme = choose_scheme(shape, links, candidates, costs.selection_spread, hierarchy)
+            buffers.append(Buffer(buffer.index, buffer.slots, buffer.channel, scheme))
+            notes.append(scheme)
+            if _rank() == 0:  # every rank chose the same: one log line per buffer, not P
+                seconds = scheme_seconds(scheme, shape, links, costs.selection_spread, hierarchy)
+                log.info(
+                    "ssfusion auto: buffer %d (%d dense, %d sparse, k=%d, P=%d, %s costs) -> %s (modelled %.3g ms)",
+                    buffer.index, shape.dense, shape.sparse, shape.k, context.world_size,
+                    "measured" if costs.measured else "default", scheme, 1e3 * seconds,
+                )
+        return Plan(tuple(buffers), {**plan.notes, "comm": notes})
+
+    def _candidates(
+        self, layout: tuple[int, int] | None, costs: CostProfile
+    ) -> tuple[tuple[str, ...], tuple[Links, Links] | None]:
+        """The schemes that apply on this layout, and the (node-local, cross-node) links of the
+        hierarchical ones; with no node of several ranks among several nodes, the flat ones only."""
+        flat = tuple(s for s in self.schemes if not s.startswith(HIERARCHICAL))
+        if layout is None or layout[0] <= 1 or layout[1] <= 1 or len(flat) == len(self.schemes):
+            if not flat:
+                raise ValueError(
+                    f"auto communicator: every candidate in {list(self.schemes)} is hierarchical, but the layout "
+                    f"{'has no node groups' if layout is None else f'is {layout[1]} node(s) of {layout[0]} rank(s)'}: "
+                    "add a flat scheme, or set ranks_per_node so that several nodes hold several ranks each"
+                )
+            return flat, None
+        per_node, nodes = layout
+        node = Links.measured(per_node, costs.node_link, costs.node_link)
+        across = Links.measured(nodes, costs.cross_link, costs.cross_link)
+        return self.schemes, (node, across)
+
+    # ------------------------------------------------------------ running it
+    def _runner(self, buffer: Buffer) -> Communicator:
+        return self._runners[buffer.comm or UNASSIGNED]
+
+    def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
+        pending = self._runner(buffer).launch(encoded, buffer, channels)
+        exact = buffer.comm.removeprefix(HIERARCHICAL) in EXACT_SCHEMES
+        if self._measuring and exact and encoded.values is not None and buffer.sparse_slots:
+            k = sum(slot.k for slot in buffer.sparse_slots)
+            return _Counted(pending, lambda nonzeros: self._record(buffer.sparse_numel, k, nonzeros))
+        return pending
+
+    def _record(self, numel: int, k: int, nonzeros: int) -> None:
+        with self._lock:
+            self._samples.append((numel, k, float(nonzeros)))
+
+    def selection_spread(self, world_size: int) -> float | None:
+        with self._lock:
+            return measured_spread(self._samples, world_size)
+
+    def carries_votes(self, buffer: Buffer) -> bool:
+        return self._runner(buffer).carries_votes(buffer)
+
+    def set_plan(self, plan: Plan) -> None:
+        for runner in self._runners.values():
+            runner.set_plan(plan)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: runner.state_dict() for name, runner in self._runners.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, runner in self._runners.items():
+            runner.load_state_dict(state.get(name, {}))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _runner_for(scheme: str) -> Communicator:
+    if scheme.startswith(HIERARCHICAL):
+        return COMMUNICATORS.build("hierarchical", cross=scheme[len(HIERARCHICAL) :])
+    return COMMUNICATORS.build(RUNNERS[scheme], **RUNNER_OPTIONS.get(scheme, {}))
+
+
+def buffer_shape(buffer: Buffer, value_bytes: int) -> BufferShape:
+    """The model's view of a buffer (positions on the wire as the schemes send them)."""
+    k = sum(slot.k for slot in buffer.sparse_slots)
+    return BufferShape(buffer.dense_numel, buffer.sparse_numel, k, value_bytes, index_bytes(buffer.sparse_numel))

@@ -1,0 +1,274 @@
+"""Modelled seconds of one buffer's communication under each collective scheme.
+
+The one place these formulas live: the ``auto`` communicator decides per buffer from them, ZEN's
+choice against SparCML compares two of them, and experiments/simulate.py projects step times to
+large P with them. Pure Python (no torch), so every rank computes bit-identical numbers from
+identical inputs, and the simulator imports it without starting torch.
+
+Model (ALGORITHMS.md section 7), per rank: a collective costs ``alpha + beta * bytes`` with the
+bytes one rank receives, and the alpha-beta pair of its kind (``Links``). A buffer has F dense
+elements and N sparse ones, of which each rank selects k; v bytes per value, x per position. K,
+the nonzeros of the sum, measures how much the ranks' selections overlap (``expected_nonzeros``).
+
+    dense part (every scheme)  allreduce: 2(P-1)/P * F v
+    allreduce                  the sparse part scattered and all-reduced with the dense part, in
+                               one all-reduce: 2(P-1)/P * (F + N) v
+    allgather                  allgather: (P-1) k (v+x)
+    zen                        all_to_all of counts and of (P-1)/P k (v+x) pairs, allgather of
+                               counts and of (P-1)/P min(N/8 + K v, K (v+x)) (bitmap or COO pull)
+    sparcml                    recursive doubling: 2 point-to-point messages per round, the set
+                               after r rounds the union of 2^r selections (as overlapping as K
+                               says); a fold when P != 2^q
+    oktopk                     all_to_all of counts and of (P-1)/P k (v+x) pairs, allgather of the
+                               threshold grid's counts, all_to_all balance and allgather of the
+                               kept entries (<= 3(P-1)/P k (v+x) in all), plus the exact threshold's
+                               allgather of local top magnitudes every ``threshold_every`` rounds
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+#: every scheme ``auto`` chooses among, in tie-break order (the simpler scheme wins a tie)
+SCHEMES = ("allreduce", "allgather", "zen", "sparcml", "oktopk")
+#: schemes whose sum is exact (Ok-Topk keeps about k entries of the sum)
+EXACT_SCHEMES = ("allreduce", "allgather", "zen", "sparcml")
+#: "hierarchical:<scheme>": the hierarchical sync with <scheme> as its cross-node step
+HIERARCHICAL = "hierarchical:"
+HIERARCHICAL_SCHEMES = tuple(HIERARCHICAL + scheme for scheme in SCHEMES)
+#: counts and headers travel as int64
+COUNT_BYTES = 8
+#: Ok-Topk's reused-threshold grid (see comm/oktopk.py): one count per grid step and rank
+OKTOPK_GRID = 24
+OKTOPK_THRESHOLD_EVERY = 32
+#: below this fraction of N, a difference of expected nonzeros is float rounding, not overlap
+ROUNDING = 1e-9
+
+
+@dataclass(frozen=True)
+class Link:
+    """alpha-beta model of one collective: seconds = alpha + beta * bytes (bytes per rank)."""
+
+    alpha: float
+    beta: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes if nbytes > 0 else 0.0
+
+    def message(self, nbytes: float) -> float:
+        """A message that is sent whatever its size (a count, a header): it always pays alpha."""
+        return self.alpha + self.beta * max(nbytes, 0.0)
+
+
+@dataclass(frozen=True)
+class Links:
+    """alpha-beta per collective kind on a group of ``world`` ranks."""
+
+    world: int
+    allreduce: Link
+    allgather: Link
+    alltoall: Link
+    p2p: Link
+
+    @classmethod
+    def measured(cls, world: int, allreduce: Link, allgather: Link) -> Links:
+        """From the two collectives the cost model times. all_to_all moves its bytes over the same
+        P-1 peers as a ring allgather, so it gets the allgather's link; one point-to-point message
+        pays the allgather's latency per peer, alpha / (P-1), and its beta."""
+        peers = max(1, world - 1)
+        return cls(world, allreduce, allgather, allgather, Link(allgather.alpha / peers, allgather.beta))
+
+    @classmethod
+    def uniform(cls, world: int, link: Link) -> Links:
+        """Every collective and every message on one link (ZEN's own model of its choice)."""
+        return cls(world, link, link, link, link)
+
+    @classmethod
+    def from_round_latency(cls, world: int, alpha: float, bytes_per_second: float) -> Links:
+        """Ring collectives over one link with per-round latency ``alpha``: an all-reduce takes
+        2(P-1) rounds, an allgather or all_to_all P-1, a message one (the simulator's model)."""
+        beta = 1.0 / bytes_per_second
+        peers = max(0, world - 1)
+        return cls(world, Link(2 * peers * alpha, beta), Link(peers * alpha, beta), Link(peers * alpha, beta), Link(alpha, beta))
+
+
+@dataclass(frozen=True)
+class BufferShape:
+    """What the model knows about one buffer: F dense elements, N sparse ones, k selected per rank."""
+
+    dense: int
+    sparse: int
+    k: int
+    value_bytes: int = 4
+    index_bytes: int = 4
+
+    @property
+    def pair(self) -> int:
+        return self.value_bytes + self.index_bytes
+
+
+def independent_nonzeros(numel: int, k: float, world: int) -> float:
+    """Expected nonzeros of the sum of ``world`` independent uniform selections of k of ``numel``."""
+    if numel <= 0:
+        return 0.0
+    k = min(max(k, 0.0), numel)
+    return numel * (1.0 - (1.0 - k / numel) ** world)
+
+
+def expected_nonzeros(numel: int, k: float, world: int, spread: float = 1.0) -> float:
+    """K from the selections' spread: k when every rank selects the same positions (spread 0),
+    independent selections' union at spread 1, linear in between."""
+    k = min(max(k, 0.0), numel)
+    return k + spread * (independent_nonzeros(numel, k, world) - k)
+
+
+def measured_spread(samples: Sequence[tuple[int, int, float]], world: int) -> float | None:
+    """The spread that explains the measured (numel, k, K) samples in total (clamped to [0, 1]);
+    None when no sample can tell (a single rank, or k = numel everywhere)."""
+    if world <= 1:
+        return None
+    gained = possible = 0.0
+    for numel, k, nonzeros in samples:
+        k = min(k, numel)
+        gained += nonzeros - k
+        possible += independent_nonzeros(numel, k, world) - k
+    if possible <= ROUNDING * sum(numel for numel, _, _ in samples):
+        return None
+    return min(1.0, max(0.0, gained / possible))
+
+
+def dense_seconds(numel: int, value_bytes: int, links: Links) -> float:
+    """Ring all-reduce of ``numel`` elements."""
+    p = links.world
+    return links.allreduce.seconds(2 * (p - 1) / p * numel * value_bytes) if p > 1 else 0.0
+
+
+def zen_seconds(shape: BufferShape, links: Links, nonzeros: float) -> float:
+    p, n = links.world, shape.sparse
+    share = (p - 1) / p
+    pull = min(-(-n // 8) + nonzeros * shape.value_bytes, nonzeros * shape.pair)
+    # the two count rounds carry almost nothing: their latency is what they cost
+    latency = 2 * links.alltoall.alpha + 2 * links.allgather.alpha
+    return latency + links.alltoall.beta * share * shape.k * shape.pair + links.allgather.beta * share * pull
+
+
+def union_of(members: float, numel: int, k: float, world: int, nonzeros: float) -> float:
+    """Expected union of ``members`` of the ranks' selections when all ``world`` of them sum to
+    ``nonzeros`` entries: the spread that K implies, applied to ``members`` selections."""
+    possible = independent_nonzeros(numel, k, world) - k
+    spread = (nonzeros - k) / possible if possible > ROUNDING * numel else 1.0
+    return min(float(numel), max(0.0, k + spread * (independent_nonzeros(numel, k, members) - k)))
+
+
+def sparcml_seconds(shape: BufferShape, links: Links, nonzeros: float, bounded: bool = False) -> float:
+    """Recursive doubling over P' = 2^floor(log2 P) ranks, each set the union of the selections it
+    has absorbed (``union_of``); P > P' adds the fold and the send-back. ``bounded``: counts are
+    bounded by k, so a rank's own selection travels with its header and the first doubling round
+    (at P = P') and the fold take one message instead of two."""
+    p, n, link = links.world, shape.sparse, links.p2p
+    core = 1 << (p.bit_length() - 1)
+    seconds, members = 0.0, p / core  # after the fold a core rank holds P/P' selections
+    while members < p:
+        first = members == p / core
+        union = union_of(members, n, shape.k, p, nonzeros)
+        seconds += (1 if bounded and first and core == p else 2) * link.alpha + link.beta * union * shape.pair
+        members *= 2
+    if core != p:
+        seconds += (3 if bounded else 4) * link.alpha + link.beta * (shape.k + nonzeros) * shape.pair
+    return seconds
+
+
+def oktopk_seconds(shape: BufferShape, links: Links, nonzeros: float, threshold_every: int = OKTOPK_THRESHOLD_EVERY) -> float:
+    p = links.world
+    moved = (p - 1) / p * shape.k * shape.pair
+    seconds = links.alltoall.message((p - 1) * COUNT_BYTES)  # counts
+    seconds += links.alltoall.message(moved)  # split and reduce
+    seconds += links.allgather.message((p - 1) * OKTOPK_GRID * COUNT_BYTES)  # the reused threshold's grid
+    seconds += links.alltoall.message(moved)  # balance (at most what crosses slice boundaries)
+    seconds += links.allgather.message(moved)  # the kept entries
+    # the exact threshold: every owner's local top magnitudes (about K / P each), now and then
+    seconds += links.allgather.message((p - 1) * min(shape.k, nonzeros / p) * shape.value_bytes) / threshold_every
+    return seconds
+
+
+def sparse_seconds(scheme: str, shape: BufferShape, links: Links, spread: float = 1.0, bounded: bool = False) -> float:
+    """Modelled seconds of the buffer's sparse part under ``scheme`` (0 without a sparse part)."""
+    p = links.world
+    if shape.sparse <= 0 or p <= 1:
+        return 0.0
+    nonzeros = expected_nonzeros(shape.sparse, shape.k, p, spread)
+    if scheme == "allreduce":
+        return dense_seconds(shape.sparse, shape.value_bytes, links)
+    if scheme == "allgather":
+        return links.allgather.seconds((p - 1) * shape.k * shape.pair)
+    if scheme == "zen":
+        return zen_seconds(shape, links, nonzeros)
+    if scheme == "sparcml":
+        return sparcml_seconds(shape, links, nonzeros, bounded)
+    if scheme == "oktopk":
+        return oktopk_seconds(shape, links, nonzeros)
+    raise ValueError(f"unknown scheme {scheme!r}; valid choices: {', '.join(SCHEMES)}")
+
+
+def buffer_seconds(scheme: str, shape: BufferShape, links: Links, spread: float = 1.0) -> float:
+    """The buffer's communication under ``scheme``: ``allreduce`` sends both parts in one
+    all-reduce (as a DDP bucket); the others all-reduce the dense part and run the sparse part
+    through the scheme, one after the other (the two share the link even on different groups)."""
+    if scheme == "allreduce":
+        return dense_seconds(shape.dense + shape.sparse, shape.value_bytes, links)
+    return dense_seconds(shape.dense, shape.value_bytes, links) + sparse_seconds(scheme, shape, links, spread)
+
+
+def hierarchical_seconds(cross: str, shape: BufferShape, node: Links, across: Links, spread: float = 1.0) -> float:
+    """The hierarchical sync (comm/hierarchical.py) on ``across.world`` nodes of ``node.world``
+    ranks: both parts reduce-scattered and all-gathered inside the node (the allgather link's ring
+    moves the same bytes), the dense stripe all-reduced across nodes, and the sparse stripe's
+    nonzeros (1/L of the node's union of L selections) through ``cross`` on the cross-node group.
+    The L local ranks cross at once, each with its own stripe on its own NIC: one stripe's time.
+    Sparse partial sums travel in fp32 at least."""
+    per_node = node.world
+    acc = max(shape.value_bytes, 4)
+    inside = 0.0
+    if per_node > 1:
+        for numel, value_bytes in ((shape.dense, shape.value_bytes), (shape.sparse, acc)):
+            inside += 2 * node.allgather.seconds((per_node - 1) / per_node * numel * value_bytes)
+    seconds = inside + dense_seconds(shape.dense / per_node, shape.value_bytes, across)
+    if shape.sparse <= 0:
+        return seconds
+    union = expected_nonzeros(shape.sparse, shape.k, per_node, spread)
+    stripe = BufferShape(0, shape.sparse / per_node, union / per_node, acc, shape.index_bytes)
+    return seconds + buffer_seconds(cross, stripe, across, spread)
+
+
+def scheme_seconds(
+    scheme: str, shape: BufferShape, links: Links, spread: float = 1.0, hierarchy: tuple[Links, Links] | None = None
+) -> float:
+    """``buffer_seconds`` for a flat scheme, ``hierarchical_seconds`` for "hierarchical:<cross>"
+    on ``hierarchy`` = (node-local links, cross-node links)."""
+    if scheme.startswith(HIERARCHICAL):
+        if hierarchy is None:
+            raise ValueError(f"{scheme!r} needs the node-local and cross-node links")
+        return hierarchical_seconds(scheme[len(HIERARCHICAL) :], shape, *hierarchy, spread)
+    return buffer_seconds(scheme, shape, links, spread)
+
+
+def choose_scheme(
+    shape: BufferShape,
+    links: Links,
+    candidates: Sequence[str] = SCHEMES,
+    spread: float = 1.0,
+    hierarchy: tuple[Links, Links] | None = None,
+) -> str:
+    """The candidate with the least modelled time for the buffer; a tie goes to the earlier
+    candidate. A pure function of its arguments: ranks holding the same agreed inputs agree.
+    Hierarchical candidates need ``hierarchy`` (see ``scheme_seconds``)."""
+    if not candidates:
+        raise ValueError("choose_scheme needs at least one candidate scheme")
+    best, best_seconds = candidates[0], math.inf
+    for scheme in candidates:
+        seconds = scheme_seconds(scheme, shape, links, spread, hierarchy)
+        if seconds < best_seconds:
+            best, best_seconds = scheme, seconds
+    return best

@@ -1,0 +1,326 @@
+"""comm="auto": the per-buffer decision at hand-computed points, its properties over costs and P
+(hypothesis), and a short training run on 4 gloo ranks that ends with identical parameters (the
+4-rank pool the hierarchical tests use: starting another pool would cost more than the run).
+
+Units in the comments: microseconds (us), bytes (B); links at 1 ns per byte, fp32 values and int32
+positions (v = x = 4, a pair 8 B). With ``Links.measured`` (ssfusion_lightning/commcost.py) the
+all_to_all link is the allgather's and one point-to-point message costs alpha_g / (P-1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+import ssfusion_lightning as ssf
+from ssfusion_lightning.comm import COMMUNICATORS
+from ssfusion_lightning.comm.base import CommContext
+from ssfusion_lightning.commcost import (
+    EXACT_SCHEMES,
+    HIERARCHICAL_SCHEMES,
+    SCHEMES,
+    BufferShape,
+    Link,
+    Links,
+    buffer_seconds,
+    choose_scheme,
+    expected_nonzeros,
+    measured_spread,
+    scheme_seconds,
+)
+from ssfusion_lightning.costmodel import CostProfile
+from ssfusion_lightning.engine.plan import Buffer, Plan, Slot
+from ssfusion_lightning.presets import SYSTEM_PRESETS
+from tests.workloads import Regressor, make_trainer, regression_data
+
+US = 1e-6
+
+
+def links(world: int, alpha_us: float = 50.0, ns_per_byte: float = 1.0) -> Links:
+    link = Link(alpha_us * US, ns_per_byte * 1e-9)
+    return Links.measured(world, link, link)
+
+
+# --------------------------------------------------------------------------- hand-computed points
+def test_allgather_at_two_ranks_with_a_tiny_k():
+    # P = 2, N = 10^6, k = 10, alpha = 50 us everywhere (a message: 50 us / (P-1) = 50 us):
+    #   allreduce  50 + 2 * 1/2 * 4 * 10^6 ns          = 4050 us
+    #   allgather  50 + 1 * 10 * 8 ns                  = 50.08 us
+    #   zen        4 * 50 + ...                        > 200 us
+    #   sparcml    one doubling round: 2 * 50 + ...    > 100 us
+    #   oktopk     5 collectives                       > 250 us
+    shape = BufferShape(dense=0, sparse=10**6, k=10)
+    assert choose_scheme(shape, links(2)) == "allgather"
+    assert buffer_seconds("allgather", shape, links(2)) == pytest.approx(50.08 * US)
+    assert buffer_seconds("allreduce", shape, links(2)) == pytest.approx(4050 * US)
+
+
+@pytest.mark.parametrize("density", [0.5, 0.9])
+def test_dense_allreduce_at_large_p_with_a_dense_ish_k(density):
+    # P = 256, N = 10^6, k = density * N. With K = N (independent selections cover everything):
+    #   allreduce  50 + 2 * 255/256 * 4 * 10^6 ns                        = 8018.75 us
+    #   zen        200 + 255/256 * (8k + min(N/8 + 4N, 8N)) ns >= 200 + 255/256 * (4 + 4.125) * 10^6 ns = 8293 us
+    #   allgather  255 * 8k ns >= 10^9 ns; oktopk >= 3 * 255/256 * 8k ns >= 11,953 us; sparcml: unions of N
+    shape = BufferShape(dense=0, sparse=10**6, k=int(density * 10**6))
+    assert choose_scheme(shape, links(256)) == "allreduce"
+    assert buffer_seconds("allreduce", shape, links(256)) == pytest.approx(8018.75 * US)
+
+
+def test_oktopk_at_large_p_and_zen_among_exact_schemes_or_when_selections_coincide():
+    # P = 256, N = 10^8, k = 10^6 (1%). Independent selections: K = N (1 - 0.99^256) = 92.37 * 10^6.
+    #   allreduce  2 * 255/256 * 4 * 10^8 ns                               = 797 ms
+    #   allgather  255 * 8 * 10^6 ns                                       = 2040 ms
+    #   zen        255/256 * (8 * 10^6 + min(12.5 * 10^6 + 4K, 8K)) ns     = 388 ms
+    #   oktopk     3 * 255/256 * 8 * 10^6 ns = 23.9 ms, plus the exact threshold's gather of
+    #              K/P magnitudes per owner every 32 rounds: 255 * 4K/256 / 32 ns = 11.5 ms -> 35.4 ms
+    shape = BufferShape(dense=0, sparse=10**8, k=10**6)
+    assert expected_nonzeros(10**8, 10**6, 256) == pytest.approx(92.37e6, rel=1e-3)
+    assert choose_scheme(shape, links(256)) == "oktopk"
+    assert buffer_seconds("oktopk", shape, links(256)) == pytest.approx(35.4e-3, rel=0.01)
+    assert choose_scheme(shape, links(256), EXACT_SCHEMES) == "zen"
+    # every rank selects the same positions (spread 0): K = k, so zen's pull shrinks to 8k B:
+    #   zen = 255/256 * 16 * 10^6 ns = 15.9 ms < oktopk's 23.9 ms (its threshold gather: 4k/256 B per owner)
+    assert choose_scheme(shape, links(256), spread=0.0) == "zen"
+
+
+def test_hierarchical_sync_wins_when_the_node_link_is_fast():
+    # 2 nodes x 4 ranks (P = 8); cross-node and flat links 50 us + 1 ns/B, the node link 5 us +
+    # 0.01 ns/B. N = 10^6, k = 10^4 (1%); independent selections.
+    # Flat: allgather 50 + 7 * 8 * 10^4 ns = 610 us; sparcml (messages of 50/7 us) 6 * 7.14 +
+    #   8 * (10^4 + 19,900 + 39,404) ns = 597 us; zen 200 + 7/8 * (8 * 10^4 + 434,020) ns = 650 us;
+    #   oktopk 250 + 210 + 1.4 + 320/32 = 471 us -> oktopk.
+    # Hierarchical: inside the node, reduce-scatter and all-gather of 4 * 10^6 B, 3/4 of it each:
+    #   2 * (5 + 30) = 70 us; a node's union of 4 selections is 39,404, 9,851 per stripe of 250,000;
+    #   across the 2 nodes allgather moves 9,851 pairs: 50 + 78.8 = 128.8 us -> 198.8 us in all
+    #   (cross sparcml: 100 + 78.8 = 178.8 -> 248.8 us; cross zen and oktopk pay >= 200 us of latency).
+    shape = BufferShape(dense=0, sparse=10**6, k=10**4)
+    flat = links(8)
+    hierarchy = (links(4, alpha_us=5, ns_per_byte=0.01), links(2))
+    assert choose_scheme(shape, flat) == "oktopk"
+    assert buffer_seconds("oktopk", shape, flat) == pytest.approx(471e-6, rel=0.01)
+    best = choose_scheme(shape, flat, SCHEMES + HIERARCHICAL_SCHEMES, hierarchy=hierarchy)
+    assert best == "hierarchical:allgather"
+    assert scheme_seconds(best, shape, flat, hierarchy=hierarchy) == pytest.approx(198.8e-6, rel=0.01)
+
+
+def test_auto_offers_hierarchical_schemes_only_on_nodes_of_several_ranks():
+    plan = plan_of([(0, 10**6, 10**4)])
+    fast_node = CostProfile(
+        allreduce=Link(50 * US, 1e-9), allgather=Link(50 * US, 1e-9), node_link=Link(5 * US, 1e-11),
+        cross_link=Link(50 * US, 1e-9), world_size=8, measured=True,
+    )
+    auto = COMMUNICATORS.build("auto")
+    assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, (4, 2))).buffers[0].comm == "hierarchical:allgather"
+    for layout in (None, (8, 1), (1, 8)):
+        assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, layout)).buffers[0].comm == "oktopk"
+    only_hierarchical = COMMUNICATORS.build("auto", schemes=["hierarchical:zen"])
+    with pytest.raises(ValueError, match="every candidate .* is hierarchical, but the layout has no node groups"):
+        only_hierarchical.assign(plan, CommContext(8, fast_node, {0: 4}, None))
+
+
+def test_a_buffer_without_a_sparse_part_goes_dense():
+    assert choose_scheme(BufferShape(dense=1000, sparse=0, k=0), links(64)) == "allreduce"
+
+
+def test_spread_is_measured_from_the_sums_nonzeros():
+    # 4 ranks, 1000 elements, k = 10: independent selections give K = 1000 (1 - 0.99^4) = 39.4
+    assert measured_spread([(1000, 10, 10.0)], 4) == 0.0  # everyone picked the same positions
+    assert measured_spread([(1000, 10, 1000 * (1 - 0.99**4))], 4) == pytest.approx(1.0)
+    assert measured_spread([(1000, 10, 10 + 0.5 * (1000 * (1 - 0.99**4) - 10))], 4) == pytest.approx(0.5)
+    assert measured_spread([(1000, 10, 40.0)], 1) is None  # one rank tells nothing
+
+
+def test_bad_candidates_are_refused_with_the_valid_choices():
+    with pytest.raises(ValueError, match="schemes must be .*allreduce, allgather, zen, sparcml, oktopk.*'ring'"):
+        COMMUNICATORS.build("auto", schemes=["ring"])
+    with pytest.raises(ValueError, match="schemes must be"):
+        COMMUNICATORS.build("auto", schemes="zen")
+
+
+# --------------------------------------------------------------------------- properties
+link_values = st.tuples(st.floats(1e-7, 1e-2), st.floats(1e-12, 1e-7))
+
+
+@st.composite
+def buffers(draw):
+    sparse = draw(st.integers(0, 10**8))
+    k = draw(st.integers(1, max(1, sparse))) if sparse else 0
+    return BufferShape(draw(st.integers(0, 10**6)), sparse, k, draw(st.sampled_from([2, 4])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from([1, 2, 4, 8]), st.integers(1, 128), link_values, link_values, link_values, link_values,
+    buffers(), st.floats(0.0, 1.0),
+)
+def test_auto_is_never_modelled_slower_than_dense_or_the_best_fixed_scheme(per_node, nodes, ar, ag, node, cross, shape, spread):
+    world = per_node * nodes
+    if world < 2:
+        return
+    model = Links.measured(world, Link(*ar), Link(*ag))
+    hierarchy = (Links.measured(per_node, Link(*node), Link(*node)), Links.measured(nodes, Link(*cross), Link(*cross)))
+    candidates = SCHEMES + HIERARCHICAL_SCHEMES
+    choice = choose_scheme(shape, model, candidates, spread, hierarchy)
+    auto = scheme_seconds(choice, shape, model, spread, hierarchy)
+    fixed = {scheme: scheme_seconds(scheme, shape, model, spread, hierarchy) for scheme in candidates}
+    assert auto <= fixed["allreduce"]
+    assert auto <= 1.05 * min(fixed.values())
+    assert choose_scheme(shape, model, candidates, spread, hierarchy) == choice  # a pure function
+
+
+def plan_of(shapes: list[tuple[int, int, int]]) -> Plan:
+    """One buffer per (dense, sparse, k): a dense slot and a sparse slot."""
+    out = []
+    for index, (dense, sparse, k) in enumerate(shapes):
+        slots = []
+        if dense:
+            slots.append(Slot(f"d{index}", 2 * index, (dense,), 0, dense, False, dense))
+        if sparse:
+            slots.append(Slot(f"s{index}", 2 * index + 1, (sparse,), 0, sparse, True, k))
+        out.append(Buffer(index, tuple(slots), index % 2))
+    return Plan(tuple(out))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(2, 1024),
+    st.lists(st.tuples(st.floats(1e-7, 1e-2), st.floats(1e-12, 1e-7), st.floats(1e-7, 1e-2), st.floats(1e-12, 1e-7), st.floats(0, 1)), min_size=2, max_size=4),
+    st.lists(st.tuples(st.integers(0, 10**5), st.integers(0, 10**7), st.floats(1e-4, 1.0)), min_size=1, max_size=6),
+)
+def test_every_rank_assigns_the_same_plan_from_the_agreed_costs(world, measured, shapes):
+    """Each simulated rank measured its own numbers; agreement (elementwise max, as ``agree`` does
+    with an all-reduce) gives every rank the same profile, and every rank's own communicator then
+    records the same scheme for every buffer."""
+    agreed = [max(column) for column in zip(*measured)]
+    profile = CostProfile(
+        allreduce=Link(agreed[0], agreed[1]), allgather=Link(agreed[2], agreed[3]),
+        selection_spread=agreed[4], world_size=world, measured=True,
+    )
+    plan = plan_of([(dense, sparse, max(1, int(sparse * density)) if sparse else 0) for dense, sparse, density in shapes])
+    context = CommContext(world, profile, {b.index: 4 for b in plan.buffers})
+    plans = [COMMUNICATORS.build("auto").assign(plan, context) for _ in measured]
+    assert len({p.fingerprint() for p in plans}) == 1
+    assert all(p.notes["comm"] == plans[0].notes["comm"] for p in plans)
+    assert all(b.comm in SCHEMES for b in plans[0].buffers)
+
+
+def test_the_choice_is_part_of_the_plan_fingerprint():
+    # allgather 50 + 80 ns, allreduce 50 + 400 us; with an allgather latency of 1 s, allreduce
+    plan = plan_of([(0, 100_000, 10)])
+    fast = CommContext(2, CostProfile(world_size=2, measured=True), {0: 4})
+    slow_gather = CommContext(2, CostProfile(allgather=Link(1.0, 1e-9), world_size=2, measured=True), {0: 4})
+    auto = COMMUNICATORS.build("auto")
+    a, b = auto.assign(plan, fast), auto.assign(plan, slow_gather)
+    assert (a.buffers[0].comm, b.buffers[0].comm) == ("allgather", "allreduce")
+    assert a.fingerprint() != b.fingerprint()
+
+
+def test_the_choices_and_measured_links_survive_a_checkpoint():
+    from ssfusion_lightning.engine.state import decode_costs, decode_plan, encode_costs, encode_plan
+
+    plan = COMMUNICATORS.build("auto").assign(plan_of([(0, 100_000, 10), (5, 10**6, 10**4)]), CommContext(8, None, {0: 4, 1: 4}))
+    restored = decode_plan(encode_plan(plan))
+    assert [b.comm for b in restored.buffers] == [b.comm for b in plan.buffers] and restored.fingerprint() == plan.fingerprint()
+    costs = CostProfile(node_link=Link(1e-6, 2e-12), cross_link=Link(3e-5, 4e-9), selection_spread=0.25, measured=True)
+    assert decode_costs(encode_costs(costs)) == costs
+    old = encode_costs(costs)
+    for field in ("node_link", "cross_link", "selection_spread"):  # a checkpoint from before these fields
+        del old[field]
+    assert decode_costs(old).selection_spread == 1.0
+
+
+def test_auto_is_the_ssfusion_presets_default():
+    assert SYSTEM_PRESETS["ssfusion"][1]["comm"] == "auto"
+    assert SYSTEM_PRESETS["ssfusion_spawn"][1]["comm"] == "auto"
+
+
+# --------------------------------------------------------------------------- training on 2 ranks
+def train_auto(steps: int = 8, **options) -> dict:
+    """The ssfusion preset's configuration (dgc, selective, offload auto, comm auto), small buffers."""
+    L.seed_everything(0, verbose=False)
+    model = Regressor()
+    preset = {key: value for key, value in SYSTEM_PRESETS["ssfusion"][1].items() if key != "start_method"}
+    strategy = ssf.SSFusionStrategy(**{**preset, "density": 0.1, "buffer_mb": 0.002, **options})
+    make_trainer(strategy, steps).fit(model, DataLoader(regression_data(), batch_size=16))
+    engine_plan = strategy._final_engine_state["plan"]
+    costs = strategy._final_engine_state["costs"]
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "comm": [b["comm"] for b in engine_plan["buffers"]],
+        "measured": costs is not None,
+        "spread": None if costs is None else costs["selection_spread"],
+    }
+
+
+def test_training_with_auto_gives_identical_parameters_on_every_rank(pool4):
+    results = pool4.run(train_auto)
+    first = results[0]
+    assert first["measured"], "auto must measure the links before it freezes its choices"
+    assert len(first["comm"]) > 1 and all(c in SCHEMES for c in first["comm"])
+    check_identical(results)
+
+
+def test_auto_runs_its_sparse_candidates_alike_on_every_rank(pool4):
+    # on loopback, small buffers go dense (one all-reduce's latency beats two collectives): take
+    # the dense all-reduce away, so that the sparse runners carry the training
+    results = pool4.run(train_auto, comm_options={"schemes": ["allgather", "zen", "sparcml", "oktopk"]})
+    assert results[0]["measured"] and all(c in ("allgather", "zen", "sparcml", "oktopk") for c in results[0]["comm"])
+    check_identical(results)
+    # the selections' spread, measured on the first rounds' sums, is agreed like every other cost
+    assert len({r["spread"] for r in results}) == 1 and 0.0 <= results[0]["spread"] <= 1.0
+
+
+def test_shared_positions_measure_no_spread(pool4):
+    # randomk: every rank draws the same positions, so the sums have k nonzeros: spread 0
+    shared = pool4.run(train_auto, sparsifier="randomk", fusion="ahead")
+    assert [r["spread"] for r in shared] == [0.0] * 4
+
+
+def resume_auto(path: str) -> tuple[list[str], list[str], bool]:
+    """Train 6 steps and checkpoint, then resume to step 9: the plan's choices come back as
+    they were saved, and the saved costs are used (nothing is profiled again)."""
+    L.seed_everything(0, verbose=False)
+    options = dict(sparsifier="topk", density=0.1, fusion="ahead", comm="auto", offload="none", buffer_mb=0.002)
+    first = ssf.SSFusionStrategy(**options)
+    trainer = make_trainer(first, 6)
+    trainer.fit(Regressor(), DataLoader(regression_data(), batch_size=16))
+    trainer.save_checkpoint(path)
+    torch.distributed.barrier()
+    second = ssf.SSFusionStrategy(**options)
+    resumed: dict = {}
+
+    class Peek(L.Callback):
+        def on_train_start(self, trainer, module):
+            resumed["comm"] = [b.comm for b in second.engine.plan.buffers]
+            resumed["profiling"] = second.engine._profiler is not None
+
+    make_trainer(second, 9, callbacks=[Peek()]).fit(Regressor(), DataLoader(regression_data(), batch_size=16), ckpt_path=path)
+    saved = [b["comm"] for b in first._final_engine_state["plan"]["buffers"]]
+    return saved, resumed["comm"], resumed["profiling"]
+
+
+def test_a_resumed_run_keeps_the_choices_of_the_checkpoint(pool4, tmp_path):
+    for saved, restored, profiling in pool4.run(resume_auto, str(tmp_path / "auto.ckpt")):
+        assert saved == restored and all(saved) and not profiling
+
+
+def test_auto_runs_hierarchical_candidates_on_2_nodes_of_2_ranks(pool4):
+    options = dict(ranks_per_node=2, comm_options={"schemes": ["hierarchical:zen", "hierarchical:allgather"]})
+    results = pool4.run(train_auto, **options)
+    assert results[0]["measured"] and all(c.startswith("hierarchical:") for c in results[0]["comm"])
+    check_identical(results)
+
+
+def check_identical(results: list[dict]) -> None:
+    first = results[0]
+    for rank, res in enumerate(results):
+        assert res["comm"] == first["comm"], f"rank {rank} chose {res['comm']}, rank 0 {first['comm']}"
+        for name, value in res["params"].items():
+            assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
+            assert math.isfinite(float(value.abs().sum()))
