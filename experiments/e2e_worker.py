@@ -50,6 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 import ssfusion_lightning  # noqa: E402,F401 - registers the strategy names
 from ssfusion_lightning import SSFusionStrategy  # noqa: E402
+from ssfusion_lightning.app.builders import wire_model_kwargs  # noqa: E402
 from ssfusion_lightning.data import build_datamodule  # noqa: E402
 from ssfusion_lightning.models import ImageClassifier, LanguageModel, build_model  # noqa: E402
 from ssfusion_lightning.presets import SYSTEM_PRESETS  # noqa: E402
@@ -77,11 +78,29 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "data": ("synthetic_tokens", {"seq_len": 32, "batch_size": 8, "branching": 4}),
         "task": {"optimizer": "adamw", "lr": 5e-4, "weight_decay": 0.01},
     },
+    # real data (experiments/bench_tta.py; pip install .[realdata]): the UCI digits scikit-learn
+    # ships, and a byte-level LM on gensim's Lee news corpus; epochs are real, so no sample counts
+    "digits": {
+        "kind": "image",
+        "model": ("resnet18", "tiny", {}),
+        "data": ("digits", {"batch_size": 32}),
+        "task": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4},
+        "real": True,
+    },
+    "text": {
+        "kind": "lm",
+        "model": ("gpt2", "tiny", {}),
+        "data": ("text", {"batch_size": 32, "seq_len": 64}),
+        "task": {"optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.01},
+        "real": True,
+    },
 }
 QUICK_WORKLOADS: dict[str, dict[str, Any]] = {
     "resnet18": {**WORKLOADS["resnet18"], "model": ("resnet18", "tiny", {"width": 8})},
     "gpt2": {**WORKLOADS["gpt2"], "model": ("gpt2", "tiny", {"dim": 64, "depth": 2, "num_heads": 2})},
     "gpt2_10m": {**WORKLOADS["gpt2"], "model": ("gpt2", "tiny", {"dim": 96, "depth": 2, "num_heads": 2})},
+    "digits": WORKLOADS["digits"],
+    "text": WORKLOADS["text"],
 }
 TRAIN_SAMPLES = 1 << 20  # never reach an epoch end
 VAL_SAMPLES = 512
@@ -306,14 +325,12 @@ def build_workload(name: str, quick: bool, seed: int):
     spec = (QUICK_WORKLOADS if quick else WORKLOADS)[name]
     model_name, size, overrides = spec["model"]
     data_name, data_kwargs = spec["data"]
-    datamodule = build_datamodule(
-        data_name, **data_kwargs, train_samples=TRAIN_SAMPLES, val_samples=VAL_SAMPLES, test_samples=32, seed=seed
-    )
+    sizes = {} if spec.get("real") else {"train_samples": TRAIN_SAMPLES, "val_samples": VAL_SAMPLES, "test_samples": 32, "seed": seed}
+    datamodule = build_datamodule(data_name, **data_kwargs, **sizes)
+    model = build_model(model_name, size, **wire_model_kwargs(model_name, size, overrides, datamodule))
     if spec["kind"] == "image":
-        model = build_model(model_name, size, **overrides)
         task = ImageClassifier(model, num_classes=datamodule.num_classes, lr_schedule="constant", **spec["task"])
     else:
-        model = build_model(model_name, size, **{**overrides, "vocab_size": datamodule.vocab_size})
         task = LanguageModel(model, lr_schedule="constant", **spec["task"])
     return spec, model, task, datamodule
 
