@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from experiments.bench_e2e import RESULTS, _fmt, rate_label, rate_mbit, read_csv, run_world, update_report, write_csv
+from experiments.bench_e2e import RESULTS, _fmt, rate_label, rate_mbit, run_world, update_report, write_csv
 
 DDP_BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd4")
 POWERSGD = ("ddp_powersgd", "ddp_powersgd4")

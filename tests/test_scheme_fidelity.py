@@ -49,7 +49,7 @@ def oktopk_preset_run(steps: int = 10):
         model.zero_grad(set_to_none=True)
         model(torch.randn(8, 140)).pow(2).sum().backward()
         received.append(engine.finish().bytes_received)
-        kept.append([state.last_count for state in engine.communicator._states.values()])
+        kept.append([state.last_count for state in engine.communicator.states.values()])
     k = sum(slot.k for buffer in engine.plan.buffers for slot in buffer.sparse_slots)
     numel = sum(buffer.numel for buffer in engine.plan.buffers)
     engine.close()

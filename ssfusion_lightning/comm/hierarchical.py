@@ -23,7 +23,6 @@ all-gather as well as the cross-node step.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 from typing import Any
 
@@ -33,7 +32,7 @@ from torch import Tensor
 
 from ssfusion_lightning.comm.base import COMMUNICATORS, Communicator, PendingReduction
 from ssfusion_lightning.comm.channels import Channel, ChannelSet
-from ssfusion_lightning.comm.oktopk import OkTopkState, oktopk_reduce
+from ssfusion_lightning.comm.oktopk import OkTopkState, OkTopkStates, oktopk_reduce
 from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype
 from ssfusion_lightning.comm.topology import Hierarchy
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
@@ -154,8 +153,7 @@ class HierarchicalCommunicator(Communicator):
             raise ValueError(f"hierarchical communicator: unknown cross {cross!r}; valid choices: {', '.join(CROSS_SCHEMES)}")
         self.cross = cross
         self.exact = cross != "oktopk"
-        self._states: dict[str, OkTopkState] = {}
-        self._lock = threading.Lock()
+        self.states = OkTopkStates()
 
     def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
         dense = sparse = None
@@ -174,25 +172,18 @@ class HierarchicalCommunicator(Communicator):
 
     def _sparse_job(self, key: str, k: int, values: Tensor, indices: Tensor, numel: int, hierarchy: Hierarchy, group) -> tuple[Tensor, Traffic, Any]:
         traffic = Traffic()
-        state = None
-        if self.cross == "oktopk":
-            with self._lock:
-                state = self._states.setdefault(key, OkTopkState())
+        state = self.states.of(key) if self.cross == "oktopk" else None
         total, applied = hierarchical_sparse_sum(values, indices, numel, hierarchy, self.cross, traffic, k, state)
         return total, traffic, applied
 
     def set_plan(self, plan: Plan) -> None:
-        live = {f"{b.index}:{b.sparse_numel}" for b in plan.buffers}
-        with self._lock:
-            self._states = {key: state for key, state in self._states.items() if key in live}
+        self.states.keep(plan)
 
     def state_dict(self) -> dict[str, Any]:
-        with self._lock:
-            return {"buffers": {key: s.as_dict() for key, s in self._states.items()}}
+        return self.states.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with self._lock:
-            self._states = {key: OkTopkState.from_dict(s) for key, s in state.get("buffers", {}).items()}
+        self.states.load_state_dict(state)
 
 
 def _dense_job(tensor: Tensor, hierarchy: Hierarchy, group) -> tuple[Tensor, Traffic]:

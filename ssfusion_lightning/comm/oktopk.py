@@ -44,7 +44,7 @@ from ssfusion_lightning.comm.channels import Channel
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
 from ssfusion_lightning.comm.schemes import COUNT_BYTES, accumulation_dtype, bytes_as, wire_index_dtype
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
-from ssfusion_lightning.engine.plan import Buffer
+from ssfusion_lightning.engine.plan import Buffer, Plan
 from ssfusion_lightning.fusion.base import Encoded
 
 #: the reused threshold's grid: REUSE_RATIO ** j for j in [-REUSE_STEPS/2, REUSE_STEPS/2)
@@ -319,6 +319,36 @@ def oktopk_reduce(
     return total, out_idx
 
 
+class OkTopkStates:
+    """Ok-Topk's state per buffer (keyed ``index:sparse numel``), read by the channels' threads."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, OkTopkState] = {}
+        self._lock = threading.Lock()
+
+    def of(self, key: str) -> OkTopkState:
+        with self._lock:
+            return self._states.setdefault(key, OkTopkState())
+
+    def values(self) -> list[OkTopkState]:
+        with self._lock:
+            return list(self._states.values())
+
+    def keep(self, plan: Plan) -> None:
+        """Drop the states of buffers the plan no longer has."""
+        live = {f"{b.index}:{b.sparse_numel}" for b in plan.buffers}
+        with self._lock:
+            self._states = {key: state for key, state in self._states.items() if key in live}
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"buffers": {key: s.as_dict() for key, s in self._states.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._states = {key: OkTopkState.from_dict(s) for key, s in state.get("buffers", {}).items()}
+
+
 @COMMUNICATORS.register("oktopk")
 class OkTopkCommunicator(SchemeCommunicator):
     """Ok-Topk: the dense part is all-reduced, the sparse part goes through ``oktopk_reduce``
@@ -335,8 +365,7 @@ class OkTopkCommunicator(SchemeCommunicator):
                 raise ValueError(f"oktopk communicator: {label} must be an integer >= 1, got {value!r}")
         self.rebalance_every = rebalance_every
         self.threshold_every = threshold_every
-        self._states: dict[str, OkTopkState] = {}
-        self._lock = threading.Lock()
+        self.states = OkTopkStates()
 
     def submit_sparse(self, channel: Channel, encoded: Encoded, buffer: Buffer) -> Future:
         key = f"{buffer.index}:{buffer.sparse_numel}"
@@ -344,8 +373,7 @@ class OkTopkCommunicator(SchemeCommunicator):
         return channel.submit(self._oktopk_job, key, k, encoded.values, encoded.indices, buffer.sparse_numel, encoded.votes)
 
     def state_for(self, key: str) -> OkTopkState:
-        with self._lock:
-            return self._states.setdefault(key, OkTopkState())
+        return self.states.of(key)
 
     def _oktopk_job(self, key: str, k: int, values: Tensor, indices: Tensor, numel: int, votes: Tensor | None, group):
         traffic = Traffic()
@@ -354,10 +382,11 @@ class OkTopkCommunicator(SchemeCommunicator):
         )
         return total, traffic, applied
 
+    def set_plan(self, plan: Plan) -> None:
+        self.states.keep(plan)
+
     def state_dict(self) -> dict[str, Any]:
-        with self._lock:
-            return {"buffers": {key: s.as_dict() for key, s in self._states.items()}}
+        return self.states.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with self._lock:
-            self._states = {key: OkTopkState.from_dict(s) for key, s in state.get("buffers", {}).items()}
+        self.states.load_state_dict(state)
