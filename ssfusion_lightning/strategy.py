@@ -39,6 +39,7 @@ from ssfusion_lightning.engine.timeline import Timeline
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, validate_density
+from ssfusion_lightning.sparsifiers.memory import DGCMemory
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
 
 log = logging.getLogger(__name__)
@@ -384,6 +385,14 @@ class SSFusionStrategy(DDPStrategy):
             dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
             for _ in range(self.process_groups)
         ]
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        memory = self.engine.memory if self.engine is not None else None
+        if isinstance(memory, DGCMemory):
+            taken = memory.take_momentum_from(self.optimizers)
+            if taken is not None:
+                log.info("ssfusion: memory='dgc' applies the optimizer's momentum %s (momentum correction); the optimizer's is now 0", taken)
 
     def on_train_start(self) -> None:
         super().on_train_start()

@@ -241,3 +241,53 @@ def test_warmup_in_epochs_counts_optimizer_steps(pool2):
     expected = [0.05 ** (1 / 4)] * 2 + [0.05 ** (2 / 4)] * 2 + [0.05 ** (3 / 4)] * 2 + [0.05] * 2
     for densities in pool2.run(warmup_epochs_run):
         assert densities == pytest.approx(expected, rel=1e-12)
+
+
+# --------------------------------------------------------------------------- momentum correction under Lightning
+def momentum_takeover_run(strategy_kwargs):
+    import lightning.pytorch.strategies as strategies
+
+    from ssfusion_lightning.strategy import SSFusionStrategy
+    from tests.workloads import Regressor, make_trainer, regression_data
+
+    L.seed_everything(4, verbose=False)
+    model = Regressor()  # SGD with momentum 0.9
+    strategy = SSFusionStrategy(**strategy_kwargs) if strategy_kwargs else strategies.DDPStrategy()
+    seen = {}
+
+    class Seen(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            engine = getattr(trainer.strategy, "engine", None)
+            seen["memory"] = engine.memory.momentum if engine is not None else None
+            seen["optimizer"] = trainer.optimizers[0].param_groups[0]["momentum"]
+
+    trainer = make_trainer(strategy, 6, callbacks=[Seen()])
+    trainer.fit(model, DataLoader(regression_data(), batch_size=16))
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return params, seen["optimizer"], seen["memory"]
+
+
+def test_dgc_memory_takes_over_the_sgd_momentum_and_trains_like_ddp(pool2):
+    # dense slots (sparsifier none): momentum correction is SGD's momentum, applied once, by the
+    # memory instead of the optimizer; the same math as DDP + SGD(momentum=0.9), summed in another order
+    dense_dgc = dict(sparsifier="none", memory="dgc", fusion="ahead", comm="allreduce", offload="none")
+    ours = pool2.run(momentum_takeover_run, dense_dgc)
+    ddp = pool2.run(momentum_takeover_run, None)
+    for (params, optimizer_momentum, memory_momentum), (reference, ddp_momentum, _) in zip(ours, ddp):
+        assert optimizer_momentum == 0.0 and memory_momentum == 0.9 and ddp_momentum == 0.9
+        torch.testing.assert_close(params, reference, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours[0][0], ours[1][0])
+
+
+def test_dgc_memory_refuses_momentum_it_cannot_apply():
+    from ssfusion_lightning.sparsifiers import build_memory
+
+    param = nn.Parameter(torch.zeros(3))
+    other = nn.Parameter(torch.zeros(3))
+    memory = build_memory("dgc")
+    with pytest.raises(ValueError, match=r"different momenta \[0.5, 0.9\]"):
+        memory.take_momentum_from([torch.optim.SGD([{"params": [param], "momentum": 0.9}, {"params": [other], "momentum": 0.5}], lr=0.1)])
+    with pytest.raises(ValueError, match="nesterov=True"):
+        memory.take_momentum_from([torch.optim.SGD([param], lr=0.1, momentum=0.9, nesterov=True)])
+    plain = torch.optim.SGD([param], lr=0.1)
+    assert memory.take_momentum_from([plain, torch.optim.Adam([other])]) is None and memory.momentum == 0.9

@@ -201,8 +201,9 @@ class DGCMemory(Memory):
     Per key: g <- clip(g) (scaled to L2 norm ``clip_norm / sqrt(P)`` when larger, DGC's local
     clipping: P ranks' gradients of that norm sum to about ``clip_norm``; None/0 disables);
     u <- momentum * u + g; v <- v + u; select from v; then u and v are zeroed at the sent
-    positions (momentum factor masking). The sent values are the accumulated velocity, so use
-    the optimizer WITHOUT its own momentum. ``compensate`` computes the new u and v as temporaries;
+    positions (momentum factor masking). The sent values are the accumulated velocity, so the
+    optimizer must not add momentum again: the strategy moves an SGD optimizer's momentum here
+    (``take_momentum_from``). ``compensate`` computes the new u and v as temporaries;
     ``update`` recomputes both in place into the state (refusing a non-finite gradient, leaving
     the old state).
     ``residual(key)`` is v: at every step, sent + v == the compensated tensor exactly.
@@ -227,6 +228,32 @@ class DGCMemory(Memory):
 
     def set_world_size(self, world_size: int) -> None:
         self.world_size = world_size
+
+    def take_momentum_from(self, optimizers: Sequence[torch.optim.Optimizer]) -> float | None:
+        """Momentum correction replaces an SGD optimizer's momentum (applied twice otherwise: once
+        here, once in the optimizer): the momentum of the SGD parameter groups that have one moves
+        here, and theirs becomes 0. Returns it, or None when no group had momentum."""
+        groups = [g for opt in optimizers if isinstance(opt, torch.optim.SGD) for g in opt.param_groups if g.get("momentum")]
+        if not groups:
+            return None
+        momenta = sorted({float(g["momentum"]) for g in groups})
+        if len(momenta) > 1:
+            raise ValueError(
+                f"memory='dgc' takes over the optimizer's momentum, but its parameter groups use different momenta "
+                f"{momenta}; use one momentum for every group, or memory='residual'"
+            )
+        variants = sorted({f"nesterov={g.get('nesterov')}, dampening={g.get('dampening')}" for g in groups if g.get("nesterov") or g.get("dampening")})
+        if variants:
+            raise ValueError(
+                f"memory='dgc' applies plain momentum (u = m * u + g), but the optimizer uses {variants[0]}; "
+                "use nesterov=False and dampening=0, or memory='residual'"
+            )
+        if not 0.0 <= momenta[0] < 1.0:
+            raise ValueError(f"memory='dgc' needs a momentum in [0, 1), the optimizer has {momenta[0]!r}")
+        self.momentum = momenta[0]
+        for group in groups:
+            group["momentum"] = 0.0
+        return self.momentum
 
     def _clip_factor(self, grad: Tensor, loss_scale: Tensor | None) -> float | None:
         if self.clip_norm is None:
