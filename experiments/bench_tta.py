@@ -69,6 +69,10 @@ def build_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                     overrides["density_warmup_epochs"] = args.warmup_epochs
                 runs.append({**base, "scheme": scheme, "label": label_of(scheme, density), "density": density,
                              "overrides": overrides})
+                for name, options in args.variants.items():
+                    variant = f"{scheme}+{name}"
+                    runs.append({**base, "scheme": scheme, "label": label_of(variant, density), "density": density,
+                                 "overrides": {**overrides, **options}})
     return runs
 
 
@@ -141,7 +145,7 @@ def time_to_accuracy(curve: list[dict[str, Any]], runs: list[dict[str, Any]]) ->
 
 
 def _label_order(label: str) -> tuple[int, str]:
-    scheme = label.split("@")[0]
+    scheme = label.split("@")[0].split("+")[0]
     order = (*DDP_BASELINES, *PRESETS)
     return (order.index(scheme) if scheme in order else len(order), label)
 
@@ -151,6 +155,7 @@ def targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for row in table:
         scheme, _, density = row["label"].partition("@")
+        scheme = scheme.split("+")[0]  # a variant counts as its preset
         if scheme not in PRESETS:
             continue
         key = f"P={row['world']} {rate_label(row['rate'])} {row['workload']} {row['label']}"
@@ -227,7 +232,7 @@ def plot(curve: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
                     series[r["label"]].append((float(r["seconds"]), value))
             for label, points in sorted(series.items(), key=lambda kv: _label_order(kv[0])):
                 points.sort()
-                scheme = label.split("@")[0]
+                scheme = label.split("@")[0].split("+")[0]
                 style = "-" if scheme in DDP_BASELINES or label.endswith("@1%") else "--"
                 width = 2.6 if scheme in ("ddp", "ssfusion") else 1.2
                 ax.plot([x for x, _ in points], [y for _, y in points], style, marker="o", markersize=2.5, linewidth=width,
@@ -278,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
     parser.add_argument("--warmup-epochs", type=float, default=1.0,
                         help="DGC density warm-up of the runs below 1%% density, in epochs (0: none)")
+    parser.add_argument("--variants", type=json.loads, default={},
+                        help='more runs of every preset and density with these options, JSON: '
+                             '\'{"dgc": {"memory": "dgc"}}\' adds the label ssfusion+dgc@1%%, ...')
     parser.add_argument("--steps", type=json.loads, default=None, help='steps per workload, JSON (e.g. \'{"digits": 120}\')')
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
