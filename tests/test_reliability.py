@@ -226,7 +226,11 @@ def test_foreign_or_corrupted_checkpoints_are_refused(pool2, tmp_path, corrupt):
 
 
 def test_a_rank_that_dies_fails_the_survivor_with_the_step_named(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")
+    # a fresh launch: an in-process job of an earlier test (Lightning sets MASTER_PORT, LOCAL_RANK,
+    # WORLD_SIZE, ... in this process) would make Lightning treat the job as launched from outside
+    launch_vars = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK"}
+    env = {k: v for k, v in os.environ.items() if k not in launch_vars}
+    env.update(OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")
     started = time.monotonic()
     job = subprocess.run(
         [sys.executable, os.path.join(os.path.dirname(__file__), "rank_death_job.py")],
