@@ -557,7 +557,7 @@ class FusionEngine:
         self.metrics.elements_sent += buffer.dense_numel + selected
         if buffer.slots[0].param not in self._coo:
             self.metrics.selected_elements += selected
-            self.metrics.sparse_numel += sum(slot.numel for slot in buffer.sparse_slots)
+            self.metrics.sparse_numel += buffer.sparse_numel
         return buffer, pending, encoded
 
     # ---------------------------------------------------------------- write gradients
