@@ -108,7 +108,8 @@ def _unknown_key(error: HydraException, cause: OmegaConfBaseException) -> str:
     """A misspelled key given without ``+``: the key, and the valid keys beside it."""
     key = cause.full_key
     parent = key.rpartition(".")[0]
-    keys = [k for k in (cause.parent_node or {}) if k != "hydra"]
+    # not Hydra's own keys: its group (hydra) and what instantiate reads (_target_, ...)
+    keys = [k for k in (cause.parent_node or {}) if k != "hydra" and not re.fullmatch(r"_\w+_", str(k))]
     override = re.search(r"use (\+\S+)", str(error))
     add = f"; a new key is added with a leading +: {override.group(1)}" if override else ""
     if not keys:

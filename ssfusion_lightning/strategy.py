@@ -6,6 +6,7 @@ wraps the model in DistributedDataParallel: gradients are exchanged by the engin
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -86,6 +87,35 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+#: constructor options that engine_config() (the cross-rank check, the config saved in checkpoints)
+#: leaves out: ranks may differ in them and a resumed run may change them without a word. Lightning's
+#: own plumbing (the Trainer passes it), how the ranks are launched, how long a collective may take,
+#: and the timeline (recording never changes what is sent). broadcast_buffers is left out as it has
+#: always been (RESUME_RULES has no rule for it), although ranks that disagree on it would not issue
+#: the same broadcasts.
+NOT_IN_ENGINE_CONFIG = frozenset(
+    {
+        "accelerator",
+        "parallel_devices",
+        "cluster_environment",
+        "checkpoint_io",
+        "precision_plugin",
+        "process_group_backend",
+        "timeout",
+        "start_method",
+        "broadcast_buffers",
+        "timeline",
+    }
+)
+#: the attribute that holds an option's value, where it is not the option's name
+_OPTION_ATTRIBUTES = {
+    "sparsifier": "sparsifier_spec",
+    "memory": "memory_name",
+    "fusion": "fusion_name",
+    "comm": "comm_name",
+}
+
+
 class SSFusionStrategy(DDPStrategy):
     """Data-parallel training with sparsified, fused gradient communication.
 
@@ -109,11 +139,13 @@ class SSFusionStrategy(DDPStrategy):
         offload: where sparsification runs: "none" | "thread" | "stream" | "auto" ("stream" needs CUDA
             devices; checked as soon as the Trainer has chosen the accelerator, before launching ranks).
         warmup_steps: dense steps before sparsification starts.
-        density_warmup_steps, density_warmup_epochs: length of Deep Gradient Compression's density
-            warm-up (at most one of them > 0; epochs count optimizer steps per epoch, known once
-            training starts): the density rises from dense to ``density`` along a geometric path
-            in ``density_warmup_stages`` stages (default 4: DGC's 25%, 6.3%, 1.6%, 0.4% before
-            0.1%; see ``sparsifiers/schedule.py``). The plan follows each stage on every rank.
+        density_warmup_steps, density_warmup_epochs, density_warmup_stages: Deep Gradient Compression's
+            density warm-up, over this many optimizer steps or epochs (at most one of them > 0; epochs
+            count optimizer steps per epoch, known once training starts): the density rises from
+            dense to ``density`` along a geometric path in ``density_warmup_stages`` stages (default
+            4: DGC's 25%, 6.3%, 1.6%, 0.4% before 0.1%; see ``sparsifiers/schedule.py``). The plan
+            follows each stage on every rank.
+        start_method: as DDP's: how Lightning launches the ranks, "popen" | "spawn" | "fork" | "forkserver".
         find_unused_parameters: as DDP's: a parameter that no rank used keeps ``.grad`` untouched.
         broadcast_buffers: as DDP's: module buffers (BatchNorm statistics) are broadcast from rank 0
             before each synchronized forward.
@@ -129,6 +161,8 @@ class SSFusionStrategy(DDPStrategy):
             fusion policy and memory (e.g. ``comm_options={"choice": "sparcml"}`` for ``comm="zen"``).
         timeout: as DDP's; also bounds every collective of the strategy's own process groups, so a
             dead rank or a cut link fails the step with an error instead of hanging.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend: as DDP's; the Trainer passes them.
         timeline: record this rank's engine phases per buffer (compression, launch, collectives,
             waits) in ``strategy.timeline`` from the start (``strategy.timeline.enable()`` does it
             at any time); see ``ssfusion_lightning/engine/timeline.py``. Recording never changes
@@ -287,33 +321,16 @@ class SSFusionStrategy(DDPStrategy):
         }
 
     def engine_config(self) -> dict[str, Any]:
-        """The configuration fields as plain values: checked across ranks at setup, and saved in
-        checkpoints so that a resumed run knows what changed (``RESUME_RULES`` decides per field)."""
-        sparsifier = self.sparsifier_spec
-        return plain(
-            {
-                "sparsifier": sparsifier if isinstance(sparsifier, str) else f"{type(sparsifier).__name__}({sparsifier.density})",
-                "density": self.density,
-                "memory": self.memory_name,
-                "fusion": self.fusion_name,
-                "comm": self.comm_name,
-                "ranks_per_node": self.ranks_per_node,
-                "buffer_mb": self.buffer_mb,
-                "first_buffer_mb": self.first_buffer_mb,
-                "process_groups": self.process_groups,
-                "offload": self.offload,
-                "warmup_steps": self.warmup_steps,
-                "density_warmup_steps": self.density_warmup_steps,
-                "density_warmup_epochs": self.density_warmup_epochs,
-                "density_warmup_stages": self.density_warmup_stages,
-                "find_unused_parameters": self.find_unused_parameters,
-                "nonfinite": self.nonfinite,
-                "comm_options": self.comm_options,
-                "fusion_options": self.fusion_options,
-                "memory_options": self.memory_options,
-            },
-            "strategy configuration",
-        )
+        """Every option of the constructor but those in ``NOT_IN_ENGINE_CONFIG``, as plain values (in
+        the signature's order): checked across ranks at setup, and saved in checkpoints so that a resumed
+        run knows what changed (``RESUME_RULES`` decides per field). An option's value is the
+        attribute of its name (``_OPTION_ATTRIBUTES`` names the exceptions)."""
+        names = [name for name in OPTIONS if name not in NOT_IN_ENGINE_CONFIG]
+        values = {name: getattr(self, _OPTION_ATTRIBUTES.get(name, name)) for name in names}
+        sparsifier = values["sparsifier"]
+        if not isinstance(sparsifier, str):
+            values["sparsifier"] = f"{type(sparsifier).__name__}({sparsifier.density})"
+        return plain(values, "strategy configuration")
 
     def _check_same_config_on_all_ranks(self) -> None:
         """A mismatch (e.g. another density on one rank) is an error at setup, not a hang later."""
@@ -572,6 +589,13 @@ class SSFusionStrategy(DDPStrategy):
         state["_final_engine_state"] = None
         return state
 
+
+#: the constructor's options, in the signature's order: its keyword arguments (not ``**unknown``)
+OPTIONS: tuple[str, ...] = tuple(
+    name
+    for name, parameter in inspect.signature(SSFusionStrategy.__init__).parameters.items()
+    if name != "self" and parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+)
 
 # `import ssfusion_lightning` imports this module once Lightning is loaded, so that import registers the names.
 SSFusionStrategy.register_strategies(StrategyRegistry)

@@ -28,6 +28,8 @@ from ssfusion_lightning.app.validation import ConfigError, check_config
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
+#: what an unknown key under strategy. lists
+STRATEGY_KEYS = ", ".join(validation.STRATEGY_KEYS + validation.SSFUSION_OPTIONS)
 GROUPS = ("model", "data", "sparsifier", "fusion", "comm", "strategy", "trainer", "logger", "callbacks")
 GROUPS += ("experiment", "hparams_search")
 FUSION_POLICIES = ("layerwise", "behind", "ahead", "aligned", "adaptive", "selective", "partial")
@@ -115,11 +117,9 @@ def test_misspelled_group_option_fails_listing_the_valid_choices(tmp_path):
         (["trainer.devices=0"], "invalid value trainer.devices=0; valid: a number of processes >= 1, or auto"),
         (
             ["strategy.densty=0.1"],
-            "unknown key strategy.densty; valid keys of strategy: name, kind, density, memory, buffer_mb, "
-            "first_buffer_mb, process_groups, ranks_per_node, offload, warmup_steps, density_warmup_steps, "
-            "density_warmup_epochs, density_warmup_stages, start_method, find_unused_parameters, "
-            "broadcast_buffers, nonfinite, timeout, memory_options; a new key is added with a leading +: "
-            "+strategy.densty=0.1",
+            # the keys in the order of SSFusionStrategy's signature (validation reads them from the base config)
+            f"unknown key strategy.densty; valid keys of strategy: {STRATEGY_KEYS}; a new key is added with a "
+            "leading +: +strategy.densty=0.1",
         ),
     ],
 )
@@ -294,13 +294,7 @@ def test_first_buffer_cap_reaches_the_strategy_and_null_means_buffer_mb():
 @pytest.mark.parametrize(
     "override, message",
     [
-        (
-            "+strategy.nonfinte=skip",
-            "unknown key strategy.nonfinte; valid keys of strategy: name, kind, start_method, density, memory, "
-            "buffer_mb, first_buffer_mb, process_groups, ranks_per_node, offload, warmup_steps, density_warmup_steps, "
-            "density_warmup_epochs, density_warmup_stages, find_unused_parameters, "
-            "broadcast_buffers, nonfinite, timeout, memory_options",
-        ),
+        ("+strategy.nonfinte=skip", f"unknown key strategy.nonfinte; valid keys of strategy: {STRATEGY_KEYS}"),
         ("strategy.timeout=0", "invalid value strategy.timeout=0; valid: a number of seconds > 0, or null"),
         ("strategy.nonfinite=ignore", "invalid value strategy.nonfinite=ignore; valid: one of raise, skip"),
         ("strategy.first_buffer_mb=-1", "invalid value strategy.first_buffer_mb=-1; valid: a number of MiB > 0, or null"),

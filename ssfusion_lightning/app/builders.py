@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ssfusion_lightning.app.validation import SSFUSION_OPTIONS, START_METHODS, check_choice, check_strategy, plain
+from ssfusion_lightning.app.validation import START_METHODS, check_choice, check_strategy, invalid, plain
 
 if TYPE_CHECKING:  # the command line imports this module before it may load Lightning
     from lightning.pytorch import Callback, LightningDataModule, LightningModule
@@ -161,15 +161,20 @@ def _component_kwargs(node: Any, group: str) -> dict[str, Any]:
 
 
 def build_strategy(cfg: DictConfig | Mapping[str, Any], multirun: bool = False) -> Any:
-    """``SSFusionStrategy(...)`` from the strategy group plus the sparsifier/fusion/comm groups, or the
-    dense baseline as Lightning's ``"ddp"`` (``"ddp_spawn"`` when its ranks are spawned)."""
-    from ssfusion_lightning.strategy import SSFusionStrategy
+    """The strategy: ``hydra.utils.instantiate`` of the strategy config (its ``_target_``, SSFusionStrategy
+    in conf/ssfusion_strategy.yaml) with the sparsifier/fusion/comm groups, or the dense baseline as
+    Lightning's ``"ddp"`` (``"ddp_spawn"`` when its ranks are spawned)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    from ssfusion_lightning.strategy import DEFAULT_DENSITY, SSFusionStrategy
 
     options = dict(plain(cfg["strategy"]))
     check_strategy(options)
-    kind = options.get("kind")
+    kind = options.pop("kind")
+    options.pop("name", None)
     start_method = resolve_start_method(
-        options.get("start_method", "auto"), multirun, _single_process(plain(cfg.get("trainer")))
+        options.pop("start_method", "auto"), multirun, _single_process(plain(cfg.get("trainer")))
     )
     if kind == "ddp":
         unused = bool(options.get("find_unused_parameters", False))
@@ -179,22 +184,22 @@ def build_strategy(cfg: DictConfig | Mapping[str, Any], multirun: bool = False) 
             return DDPStrategy(start_method="forkserver", find_unused_parameters=unused)
         name = "ddp" if start_method == "popen" else f"ddp_{start_method}"
         return f"{name}_find_unused_parameters_true" if unused else name
-    kwargs = {key: options[key] for key in SSFUSION_OPTIONS if key in options}
-    if "timeout" in kwargs:  # seconds in the config (null: torch's default), a timedelta for the strategy
-        seconds = kwargs.pop("timeout")
-        if seconds is not None:
-            kwargs["timeout"] = timedelta(seconds=seconds)
-    density = kwargs.get("density", 0.01)
-    sparsifier = build_sparsifier_spec(cfg["sparsifier"], density)
-    if not isinstance(sparsifier, str):  # an instance carries the density (the strategy refuses both)
-        kwargs.pop("density", None)
-    return SSFusionStrategy(
-        sparsifier=sparsifier,
-        **_component_kwargs(cfg["fusion"], "fusion"),
-        **_component_kwargs(cfg["comm"], "comm"),
-        start_method=start_method,
-        **kwargs,
-    )
+    options.setdefault("_target_", f"{SSFusionStrategy.__module__}.{SSFusionStrategy.__qualname__}")
+    # what the config cannot hold: the sparsifier instance, the time-out as a timedelta
+    built: dict[str, Any] = {"start_method": start_method}
+    seconds = options.pop("timeout", None)  # null: torch's default
+    if seconds is not None:
+        built["timeout"] = timedelta(seconds=seconds)
+    built["sparsifier"] = build_sparsifier_spec(cfg["sparsifier"], options.get("density", DEFAULT_DENSITY))
+    if not isinstance(built["sparsifier"], str):  # an instance carries the density (the strategy refuses both)
+        options.pop("density", None)
+    # a partial, called here: the strategy's own errors (a bad value) reach the caller as they are
+    try:
+        strategy = instantiate(options, _partial_=True, _convert_="all")
+    except InstantiationException as error:  # a _target_ that does not import
+        message = str(error).split(", set env var")[0]
+        raise invalid("strategy._target_", options["_target_"], f"an importable class ({message})") from error
+    return strategy(**built, **_component_kwargs(cfg["fusion"], "fusion"), **_component_kwargs(cfg["comm"], "comm"))
 
 
 # ---------------------------------------------------------------- loggers and callbacks

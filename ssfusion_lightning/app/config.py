@@ -11,6 +11,16 @@ from omegaconf import DictConfig
 
 CONFIG_NAME = "train"
 CONFIG_DIR_ENV = "SSFUSION_CONFIG_DIR"
+#: conf/<this>.yaml: the base of every ssfusion strategy preset, generated from SSFusionStrategy's
+#: signature (ssfusion_lightning/app/options.py); not a group, so ``--help`` does not offer it as a strategy
+STRATEGY_BASE = "ssfusion_strategy"
+
+
+def packaged_config_dir() -> Path:
+    """The configs shipped inside the package (``ssfusion_lightning/conf``, package data)."""
+    # pip installs the package as files on disk (never zipped), so the resource is a real directory
+    # that Hydra can search.
+    return Path(str(resources.files("ssfusion_lightning") / "conf"))
 
 
 def config_dir() -> Path:
@@ -19,9 +29,7 @@ def config_dir() -> Path:
     override = os.environ.get(CONFIG_DIR_ENV)
     if override:
         return Path(override).expanduser().resolve()
-    # pip installs the package as files on disk (never zipped), so the resource is a real directory
-    # that Hydra can search.
-    return Path(str(resources.files("ssfusion_lightning") / "conf"))
+    return packaged_config_dir()
 
 
 def compose_config(overrides: Sequence[str] | Iterable[str] = (), directory: Path | str | None = None) -> DictConfig:

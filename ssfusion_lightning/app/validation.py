@@ -18,29 +18,24 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from ssfusion_lightning.app.config import STRATEGY_BASE, packaged_config_dir
+
 STRATEGY_KINDS = ("ssfusion", "ddp")
 START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
-#: keys of the strategy group that are not SSFusionStrategy arguments
-STRATEGY_KEYS = ("name", "kind", "start_method")
-#: strategy-level options of SSFusionStrategy read from the ``strategy`` group
-SSFUSION_OPTIONS = (
-    "density",
-    "memory",
-    "buffer_mb",
-    "first_buffer_mb",
-    "process_groups",
-    "ranks_per_node",
-    "offload",
-    "warmup_steps",
-    "density_warmup_steps",
-    "density_warmup_epochs",
-    "density_warmup_stages",
-    "find_unused_parameters",
-    "broadcast_buffers",
-    "nonfinite",
-    "timeout",
-    "memory_options",
-)
+#: keys of the strategy group that are not SSFusionStrategy arguments (besides Hydra's ``_target_``)
+STRATEGY_KEYS = ("name", "kind")
+
+
+def _strategy_options() -> tuple[str, ...]:
+    # The base config is generated from SSFusionStrategy's signature (app/options.py, which
+    # tests/test_options.py keeps in step): its keys are the options, read here without loading torch.
+    base = OmegaConf.load(packaged_config_dir() / f"{STRATEGY_BASE}.yaml")
+    return tuple(key for key in base if key not in ("_target_", *STRATEGY_KEYS))
+
+
+#: the SSFusionStrategy options of the ``strategy`` group, in the signature's order
+SSFUSION_OPTIONS = _strategy_options()
+
 # The choices below are defined next to torch code (the memory registry, SSFusionStrategy's
 # OFFLOAD_CHOICES, the engine's NONFINITE_POLICIES); they are repeated here so that checking them
 # loads no torch, and tests/test_cli.py keeps the copies equal to the originals.
@@ -98,6 +93,8 @@ def _choice_rule(choices: Sequence[str]) -> Callable[[str, Any], None]:
     return lambda key, value: check_choice(key, value, choices)
 
 
+#: the checks of the strategy options that can be made here, without torch; an option without one
+#: is checked by SSFusionStrategy itself when the job is built (still before any rank is launched)
 _SSFUSION_RULES: dict[str, Callable[[str, Any], None]] = {
     "name": _rule(lambda v: isinstance(v, str), "a string"),
     "start_method": _choice_rule(START_METHODS),
@@ -138,11 +135,13 @@ def check_strategy(strategy: Mapping[str, Any]) -> None:
         return
     valid_keys = STRATEGY_KEYS + SSFUSION_OPTIONS
     for key, value in options.items():
-        if key == "kind":
+        if key in ("kind", "_target_"):
             continue
         if key not in valid_keys:
             raise ConfigError(f"unknown key strategy.{key}; valid keys of strategy: {', '.join(valid_keys)}")
-        _SSFUSION_RULES[key](f"strategy.{key}", value)
+        rule = _SSFUSION_RULES.get(key)
+        if rule is not None:
+            rule(f"strategy.{key}", value)
 
 
 def _parse_devices(devices: Any) -> int | list[int] | str | None:
