@@ -8,6 +8,7 @@ so every rank computes the same plan. No per-model tables, no model-name rules.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -40,6 +41,10 @@ class CostProfile:
     #: the defaults until measured)
     node_link: Link = Link(50e-6, 1e-9)
     cross_link: Link = Link(50e-6, 1e-9)
+    #: the share of another thread's CPU work that delays the main thread (``measure_serial_cpu``):
+    #: 0 with a free core beside the backward, 1 with one core per rank, where an offloaded
+    #: selection or a channel thread's collective is taken from the backward
+    serial_cpu: float = 0.0
 
     def compress_seconds(self, numel: int) -> float:
         return self.compress_fixed + self.compress_per_element * numel
@@ -141,6 +146,34 @@ def measure_link(
     return Link(alpha, beta)
 
 
+def measure_serial_cpu(work_elements: int = 1 << 18, repeats: int = 5) -> float:
+    """The share of a second thread's CPU work that delays this thread: the same torch work (which
+    releases the GIL) timed alone and then on two threads at once. 0 when the second thread ran on
+    a free core, 1 when the two took turns on one. Every rank measures at the same moment, so ranks
+    that share a host's cores see each other's load, as they do while training."""
+    source = torch.randn(work_elements)
+    out = torch.empty_like(source)
+
+    def work() -> None:
+        for _ in range(8):
+            torch.abs(source, out=out)
+
+    shares = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssfusion-cpu-probe") as pool:
+        pool.submit(work).result()  # the thread exists before anything is timed
+        for _ in range(repeats):
+            started = time.perf_counter()
+            work()
+            alone = time.perf_counter() - started
+            started = time.perf_counter()
+            beside = pool.submit(work)
+            work()
+            beside.result()
+            together = time.perf_counter() - started
+            shares.append(min(1.0, max(0.0, together / max(alone, 1e-9) - 1.0)))
+    return sorted(shares)[len(shares) // 2]
+
+
 def agree(
     local: list[float],
     names: Sequence[str],
@@ -149,14 +182,16 @@ def agree(
     group: dist.ProcessGroup | None,
     device: torch.device,
     selection_spread: float = 1.0,
+    serial_cpu: float = 0.0,
 ) -> CostProfile:
     """Elementwise max over ranks of every measured number, so all ranks hold the same profile
-    (for the selections' spread the max is the cautious side: more nonzeros in the sums).
+    (for the selections' spread and the serial CPU share the max is the cautious side: more
+    nonzeros in the sums, less work hidden on other threads).
     ``links`` holds "allreduce" and "allgather", and "node" and "cross" on hierarchical layouts."""
     defaults = CostProfile()
     node, cross = links.get("node", defaults.node_link), links.get("cross", defaults.cross_link)
     values = local + [links["allreduce"].alpha, links["allreduce"].beta, links["allgather"].alpha, links["allgather"].beta]
-    values += [selection_spread, node.alpha, node.beta, cross.alpha, cross.beta]
+    values += [selection_spread, node.alpha, node.beta, cross.alpha, cross.beta, serial_cpu]
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -172,6 +207,7 @@ def agree(
         selection_spread=agreed[n + 7],
         node_link=Link(agreed[n + 8], agreed[n + 9]),
         cross_link=Link(agreed[n + 10], agreed[n + 11]),
+        serial_cpu=agreed[n + 12],
         world_size=world_size,
         measured=True,
     )
