@@ -229,3 +229,33 @@ def test_partial_counts_a_dense_transfer_as_busy_channel():
     assert decisions([1000, 1000, 1000], [1, 1, 1]) == {"p0": False, "p1": True, "p2": True}
     # A dense sparsifier: never sparse, whatever the costs.
     assert decisions([10000, 1000], [1, 1], sparsifier="none") == {"p0": False, "p1": False}
+
+
+def test_the_cpu_probe_sees_one_core_as_serial():
+    """Pinned to one core, a second thread's work takes turns with the main thread's: the probe
+    reports (nearly) all of it as delaying the main thread. A fresh interpreter, so the pinning
+    touches nothing else."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, torch; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); torch.set_num_threads(1);"
+        "from ssfusion_lightning.costmodel import measure_serial_cpu; print(measure_serial_cpu())"
+    )
+    share = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    assert 0.6 <= share <= 1.0, share
+
+
+def test_the_agreed_serial_share_is_every_ranks_worst(pool2):
+    for costs in pool2.run(agree_serial_shares):
+        assert costs.serial_cpu == 0.75 and costs.world_size == 2
+
+
+def agree_serial_shares():
+    import torch.distributed as dist
+
+    from ssfusion_lightning.costmodel import agree
+
+    rank = dist.get_rank()
+    links = {"allreduce": Link(1e-4, 1e-9), "allgather": Link(1e-4, 1e-9)}
+    return agree([1e-3, 0.0, 0.0, 0.0], ["p0"], links, 2, None, torch.device("cpu"), 1.0, [0.75, 0.25][rank])

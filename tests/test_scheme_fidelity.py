@@ -292,12 +292,15 @@ def test_offload_runs_on_the_worker_while_backward_is_busy_in_one_buffer(pool2):
         assert early == {"second.weight", "second.bias"}, events
 
 
-def auto_offload_run():
+def auto_offload_run(serial_cpu=0.0):
     torch.manual_seed(0)
     model = TwoLayer()
     engine = make_engine(model, "ahead", "allgather", offload="auto")
     engine.costs = CostProfile(
-        backward={n: 0.01 for n, _ in model.named_parameters()}, compress_fixed=0.0, compress_per_element=1e-9
+        backward={n: 0.01 for n, _ in model.named_parameters()},
+        compress_fixed=0.0,
+        compress_per_element=1e-9,
+        serial_cpu=serial_cpu,
     )
     engine.set_plan(engine.plan)
     offloaded = sorted(engine.names[i] for i in engine._offloaded)
@@ -309,6 +312,12 @@ def auto_offload_run():
 def test_offload_auto_offloads_within_one_buffer(pool2):
     for offloaded, buffers in pool2.run(auto_offload_run):
         assert buffers == 1 and offloaded == ["first.bias", "first.weight", "second.bias", "second.weight"], offloaded
+
+
+def test_offload_auto_offloads_nothing_when_the_worker_takes_the_backwards_core(pool2):
+    """The same costs, but a worker thread's CPU work delays the main thread (one core per rank)."""
+    for offloaded, buffers in pool2.run(auto_offload_run, 1.0):
+        assert buffers == 1 and offloaded == [], offloaded
 
 
 # ----------------------------------------------------------------------------- SAFusion alignment
