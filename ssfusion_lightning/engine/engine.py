@@ -35,12 +35,12 @@ from ssfusion_lightning.engine import state as engine_state
 from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
-from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, Slot
-from ssfusion_lightning.engine.timeline import Timeline
-from ssfusion_lightning.fusion import CompressContext, Encoded, FusionPolicy, PlanContext
+from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
+from ssfusion_lightning.timeline import Timeline
+from ssfusion_lightning.vocabulary import Buffer, Encoded, ParamSpec, Plan, Slot
 
 
 @dataclass
@@ -186,7 +186,6 @@ class FusionEngine:
         self._failed = False
         self._accumulating = False
         self._restored_accumulation: dict[str, Tensor] | None = None
-        self._loss_scale: Tensor | None = None  # the round's, taken at its first launch
         self._dense_storage: dict[tuple[int, int], Tensor] = {}
         # Like DDP: the first round runs in registration order, then the plan is rebuilt once
         # from the gradient-ready order rank 0 observed (DDP skips this with find_unused_parameters).
@@ -343,6 +342,7 @@ class FusionEngine:
         self._ready_order: list[int] = []
         self._finite: list[Tensor] = []
         self._sparsifier_snapshot: dict[str, Any] | None = None  # taken before the round's first selection
+        self._feedback = ErrorFeedback(self.memory)  # its loss scale taken at the round's first selection
         self._next = 0
         self._pending: list[tuple[Buffer, PendingReduction, Encoded]] = []
 
@@ -400,12 +400,10 @@ class FusionEngine:
         if self._sparsifier_snapshot is None:
             # selection may move thresholds: restore them if this round is dropped as non-finite
             self._sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
-            self._loss_scale = self._current_loss_scale()
+            self._feedback.loss_scale = self._current_loss_scale()
         on_selected = self._profiler.compressed if self.profiling else None
         like = self.params[buffer.slots[0].param]
-        return CompressContext(
-            self.sparsifier, self.memory, 1.0 / self.world_size, on_selected, self._loss_scale, like.dtype, like.device
-        )
+        return CompressContext(self.sparsifier, self._feedback, 1.0 / self.world_size, on_selected, like.dtype, like.device)
 
     def _compress_slot(self, buffer: Buffer, j: int) -> None:
         """Sparsification ahead of fusion: one tensor, as soon as its gradient is ready, here or on
@@ -603,7 +601,8 @@ class FusionEngine:
             return self._drop_round(f"in the {where} (this rank's own were {own})", globally_used)
         for buffer, reduced, encoded in results:
             with self.timeline.span("write", buffer.index):
-                self._update_memory(encoded, reduced)  # from the round's gradients, before they are overwritten
+                # error feedback from the round's gradients, before they are overwritten
+                self._feedback.commit(encoded.updates, reduced.applied)
                 self._write_gradients(buffer, reduced, globally_used)
             self._count_traffic(buffer, reduced)
         self.sparsifier.advance()
@@ -730,16 +729,6 @@ class FusionEngine:
                 param.grad = torch.empty_like(param).copy_(value)
             else:
                 param.grad.copy_(value)
-
-    def _update_memory(self, encoded: Encoded, reduced: Reduced) -> None:
-        for update in encoded.updates:
-            sent = update.sent
-            if sent is None:
-                self.memory.settle_dense(update.key, update.grad, loss_scale=self._loss_scale)
-                continue
-            if reduced.applied is not None:
-                sent = sent[torch.isin(sent + update.offset, reduced.applied.to(sent.device))]
-            self.memory.update(update.key, update.grad, sent, loss_scale=self._loss_scale)
 
     def _count_traffic(self, buffer: Buffer, reduced: Reduced) -> None:
         t = reduced.traffic

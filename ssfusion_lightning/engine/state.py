@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ssfusion_lightning.costmodel import CostProfile, Link
-from ssfusion_lightning.engine.plan import Buffer, Plan, Slot
+from ssfusion_lightning.vocabulary import Buffer, Plan, Slot
 
 #: the checkpoint entry that holds every rank's engine state
 CHECKPOINT_KEY = "ssfusion_engine"
