@@ -327,7 +327,7 @@ def first_buffer_launch_during_backward(fusion):
 
     def recording(encoded, buffer, channels):
         if buffer.index == 0:
-            missing_at_first_launch.append(len(engine.params) - len(engine._ready_order))
+            missing_at_first_launch.append(len(engine.params) - len(engine._round.ready_order))
         return launch(encoded, buffer, channels)
 
     engine.communicator.launch = recording

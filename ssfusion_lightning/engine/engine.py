@@ -35,6 +35,7 @@ from ssfusion_lightning.engine import state as engine_state
 from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
+from ssfusion_lightning.engine.round import Round
 from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier
@@ -255,7 +256,7 @@ class FusionEngine:
         self._dense_storage.clear()
         self.communicator.set_plan(plan)
         self._offloaded = self._decide_offload(plan)
-        self._reset_round()
+        self._new_round()
 
     def _whole_tensor_slot(self, position: int) -> Slot:
         """A sparse-gradient parameter's slot: sparse, any of its elements may be sent."""
@@ -283,7 +284,7 @@ class FusionEngine:
             for position, (name, param) in enumerate(zip(self.names, self.params)):
                 grad = self._restored_accumulation.get(name)
                 param.grad = None if grad is None else grad.to(param.device)
-                self._used_unsynced[position] = grad is not None
+                self._round.used_unsynced[position] = grad is not None
             self._restored_accumulation = None
             self._accumulating = True
         if not self.sync_enabled:
@@ -310,17 +311,11 @@ class FusionEngine:
             if self.sync_enabled:
                 self._mark_ready(position)
             else:
-                self._used_unsynced[position] = True
+                self._round.used_unsynced[position] = True
 
         return hook
 
-    def _participates(self, position: int) -> bool:
-        """Whether a backward since the last synchronized round reached the parameter. One that no
-        backward reached (another optimizer's, in manual optimization) holds no gradient of this
-        round, whatever its ``.grad`` says: it sends zeros and keeps its error feedback as it is."""
-        return self._used[position] or self._used_unsynced[position]
-
-    def _reset_round(self) -> None:
+    def _new_round(self) -> None:
         plan = self.active_plan
         # A sparse plan needs every rank to know whether any rank's gradients were non-finite.
         # When the last buffer has a dense part, packed after every other tensor was compressed,
@@ -330,57 +325,48 @@ class FusionEngine:
         # buffer on the offload worker behind every offloaded selection; a whole buffer
         # offloaded ahead of the last may finish its check after the last one is packed.
         rides = plan.sparse_numel > 0 and (self.policy.per_tensor or not self._offloaded)
-        self._vote_in_dense = rides and plan.buffers[-1].dense_numel > 0 and self.communicator.sums_dense
-        self._vote_in_sparse = rides and not self._vote_in_dense and self.communicator.carries_votes(plan.buffers[-1])
-        # the round's buffers: the policy's plan, then one per sparse-gradient parameter
-        self._buffers = plan.buffers + self._coo_buffers
-        self._missing = [len(b.slots) for b in self._buffers]
-        self._pieces: list[list[Any]] = [[None] * len(b.slots) for b in self._buffers]
-        self._used = [False] * len(self.params)
-        # parameters a backward reached since the last synchronized round (accumulation)
-        self._used_unsynced = [False] * len(self.params)
-        self._ready_order: list[int] = []
-        self._finite: list[Tensor] = []
-        self._sparsifier_snapshot: dict[str, Any] | None = None  # taken before the round's first selection
-        self._feedback = ErrorFeedback(self.memory)  # its loss scale taken at the round's first selection
-        self._next = 0
-        self._pending: list[tuple[Buffer, PendingReduction, Encoded]] = []
+        in_dense = rides and plan.buffers[-1].dense_numel > 0 and self.communicator.sums_dense
+        in_sparse = rides and not in_dense and self.communicator.carries_votes(plan.buffers[-1])
+        buffers = plan.buffers + self._coo_buffers
+        self._round = Round(buffers, len(self.params), ErrorFeedback(self.memory), in_dense, in_sparse)
 
     def _mark_ready(self, position: int) -> None:
-        if self._used[position]:
+        current = self._round
+        if current.used[position]:
             return
-        self._used[position] = True
-        self._ready_order.append(position)
+        current.used[position] = True
+        current.ready_order.append(position)
         if self.profiling:
             self._profiler.ready(self.names[position])
         buffer_index, slot_index = self._slot_of[position]
-        if self.policy.per_tensor and position not in self._coo and not self._batched(self._buffers[buffer_index].slots[slot_index]):
-            self._compress_slot(self._buffers[buffer_index], slot_index)
+        buffer = current.buffers[buffer_index]
+        if self.policy.per_tensor and position not in self._coo and not self._batched(buffer.slots[slot_index]):
+            self._compress_slot(buffer, slot_index)
             if self.profiling:
                 self._profiler.resume()  # main-thread compression is not backward time
-        self._missing[buffer_index] -= 1
+        current.missing[buffer_index] -= 1
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        buffers = self._buffers
-        while self._next < len(buffers) and self._missing[self._next] == 0:
+        current = self._round
+        while current.next < len(current.buffers) and current.missing[current.next] == 0:
             if self.profiling:
                 started = time.perf_counter()
-                self._launch(buffers[self._next])
+                self._launch(current.buffers[current.next])
                 self._profiler.launched(time.perf_counter() - started)
                 self._profiler.resume()  # the launch is not backward time
             else:
-                self._launch(buffers[self._next])
-            self._next += 1
+                self._launch(current.buffers[current.next])
+            current.next += 1
 
     # ---------------------------------------------------------------- buffer -> sparsify -> communicate
     def _carries_vote(self, buffer: Buffer) -> bool:
-        return (self._vote_in_dense or self._vote_in_sparse) and buffer.index == len(self.active_plan.buffers) - 1
+        return (self._round.vote_in_dense or self._round.vote_in_sparse) and buffer.index == len(self.active_plan.buffers) - 1
 
     def _dense_out(self, buffer: Buffer) -> Tensor | None:
         if buffer.dense_numel == 0:
             return None
-        numel = buffer.dense_numel + (self.world_size if self._vote_in_dense and self._carries_vote(buffer) else 0)
+        numel = buffer.dense_numel + (self.world_size if self._round.vote_in_dense and self._carries_vote(buffer) else 0)
         key = (buffer.index, numel)
         out = self._dense_storage.get(key)
         if out is None:
@@ -392,18 +378,18 @@ class FusionEngine:
     def _grad(self, position: int) -> Tensor | None:
         """This round's gradient of a parameter; None for one no backward reached since the last
         round (another optimizer's, in manual optimization): it sends zeros, error feedback untouched."""
-        grad = self.params[position].grad if self._participates(position) else None
+        grad = self.params[position].grad if self._round.participates(position) else None
         # a sparse gradient from a module not recognised as such (F.embedding(sparse=True)): sent like any dense one
         return grad.to_dense() if grad is not None and grad.is_sparse else grad
 
     def _context(self, buffer: Buffer) -> CompressContext:
-        if self._sparsifier_snapshot is None:
+        if self._round.sparsifier_snapshot is None:
             # selection may move thresholds: restore them if this round is dropped as non-finite
-            self._sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
-            self._feedback.loss_scale = self._current_loss_scale()
+            self._round.sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
+            self._round.feedback.loss_scale = self._current_loss_scale()
         on_selected = self._profiler.compressed if self.profiling else None
         like = self.params[buffer.slots[0].param]
-        return CompressContext(self.sparsifier, self._feedback, 1.0 / self.world_size, on_selected, like.dtype, like.device)
+        return CompressContext(self.sparsifier, self._round.feedback, 1.0 / self.world_size, on_selected, like.dtype, like.device)
 
     def _compress_slot(self, buffer: Buffer, j: int) -> None:
         """Sparsification ahead of fusion: one tensor, as soon as its gradient is ready, here or on
@@ -413,9 +399,9 @@ class FusionEngine:
         if grad is not None and slot.param in self._offloaded:
             if self.offloader.stages_on_host:
                 grad = self.offloader.stage(slot.param, [grad])[0]
-            self._pieces[buffer.index][j] = self.offloader.submit(self._timed_slot, slot, grad, dense_out, ctx, True)
+            self._round.pieces[buffer.index][j] = self.offloader.submit(self._timed_slot, slot, grad, dense_out, ctx, True)
         else:
-            self._pieces[buffer.index][j] = self._timed_slot(slot, grad, dense_out, ctx, False)
+            self._round.pieces[buffer.index][j] = self._timed_slot(slot, grad, dense_out, ctx, False)
 
     def _timed_slot(
         self, slot: Slot, grad: Tensor | None, dense_out: Tensor | None, ctx: CompressContext, offloaded: bool
@@ -423,7 +409,7 @@ class FusionEngine:
         started = time.perf_counter()
         with self.timeline.span("select", self._slot_of[slot.param][0], slot.name):
             if slot.sparse and grad is not None:
-                self._finite.append(all_finite([grad]))
+                self._round.finite.append(all_finite([grad]))
             piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
         elapsed = time.perf_counter() - started
         if offloaded:
@@ -440,9 +426,9 @@ class FusionEngine:
         else:
             self._compress_rest(buffer)
             if self.offloader is None:
-                self._pending.append(self._pack_and_launch(buffer))
+                self._round.launched.append(self._pack_and_launch(buffer))
             else:  # behind the buffer's offloaded pieces, and launches keep plan order on the channels
-                self._pending.append(self.offloader.submit(self._pack_and_launch, buffer))
+                self._round.launched.append(self.offloader.submit(self._pack_and_launch, buffer))
 
     def _batched(self, slot: Slot) -> bool:
         """Whether a tensor waits for its buffer's batched selection instead of its own in the hook."""
@@ -452,7 +438,7 @@ class FusionEngine:
         """The buffer's pieces not made in the hooks: its small sparse tensors, in one batched
         selection, and those with no gradient on this rank (they send zeros, so every rank issues
         alike)."""
-        pieces, batch, grads = self._pieces[buffer.index], [], []
+        pieces, batch, grads = self._round.pieces[buffer.index], [], []
         for j, slot in enumerate(buffer.slots):
             if pieces[j] is None:
                 grad = self._grad(slot.param) if self._batched(slot) else None
@@ -467,14 +453,14 @@ class FusionEngine:
         ctx = self._context(buffer)
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
-            self._finite.append(all_finite(grads))
+            self._round.finite.append(all_finite(grads))
             for j, piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
                 pieces[j] = piece
         self.metrics.compress_seconds += time.perf_counter() - started
 
     def _pack_and_launch(self, buffer: Buffer):
         """Runs after every piece of the buffer: the worker is FIFO, so offloaded pieces are done."""
-        pieces = [piece.result() if isinstance(piece, Future) else piece for piece in self._pieces[buffer.index]]
+        pieces = [piece.result() if isinstance(piece, Future) else piece for piece in self._round.pieces[buffer.index]]
         with self.timeline.span("pack", buffer.index):
             encoded = self.policy.pack(buffer, pieces, self._dense_out(buffer), self._context(buffer))
             encoded = self._finish_encoding(buffer, encoded)
@@ -486,15 +472,15 @@ class FusionEngine:
         if self.offloader is not None and buffer.slots[0].param in self._offloaded:
             if self.offloader.stages_on_host:
                 grads = [None if g is None else self.offloader.stage(slot.param, [g])[0] for slot, g in zip(buffer.slots, grads)]
-            self._pending.append(self.offloader.submit(self._compress_and_launch, buffer, grads))
+            self._round.launched.append(self.offloader.submit(self._compress_and_launch, buffer, grads))
         else:
             self._submit_launch(buffer, self._compress_buffer(buffer, grads))
 
     def _submit_launch(self, buffer: Buffer, encoded: Encoded) -> None:
         if self.offloader is None:
-            self._pending.append(self._launch_encoded(buffer, encoded))
+            self._round.launched.append(self._launch_encoded(buffer, encoded))
         else:  # launches still go through the worker, so channels see buffers in plan order
-            self._pending.append(self.offloader.submit(self._launch_encoded, buffer, encoded))
+            self._round.launched.append(self.offloader.submit(self._launch_encoded, buffer, encoded))
 
     def _current_loss_scale(self) -> Tensor | None:
         """The factor this round's gradients carry: the tensor the scaler multiplied the loss by.
@@ -508,7 +494,7 @@ class FusionEngine:
         (the whole of a dense one, when the weight is also used densely, e.g. tied to a head);
         none where no backward reached it on this rank."""
         param = self.params[slot.param]
-        grad = param.grad if self._participates(slot.param) else None
+        grad = param.grad if self._round.participates(slot.param) else None
         if grad is None:
             values = param.new_empty(0)
             indices = torch.empty(0, dtype=torch.int64, device=param.device)
@@ -527,7 +513,7 @@ class FusionEngine:
         with self.timeline.span("select", buffer.index):
             sparse = [g for slot, g in zip(buffer.slots, grads) if slot.sparse and g is not None]
             if sparse:
-                self._finite.append(all_finite(sparse))
+                self._round.finite.append(all_finite(sparse))
             encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context(buffer))
         self.metrics.compress_seconds += time.perf_counter() - started
         return self._finish_encoding(buffer, encoded)
@@ -536,11 +522,11 @@ class FusionEngine:
         return self._launch_encoded(buffer, self._compress_buffer(buffer, grads))
 
     def _finish_encoding(self, buffer: Buffer, encoded: Encoded) -> Encoded:
-        if self._vote_in_dense and self._carries_vote(buffer):
+        if self._round.vote_in_dense and self._carries_vote(buffer):
             self._health_vector(out=encoded.dense[buffer.dense_numel :])
         if encoded.values is not None and encoded.values.device != self.channels.device:
             encoded = to_device(encoded, self.channels.device)  # selected on pinned host memory
-        if self._vote_in_sparse and self._carries_vote(buffer):
+        if self._round.vote_in_sparse and self._carries_vote(buffer):
             encoded.votes = self._health_vector()  # every rank's flag once the buffer is reduced
         return encoded
 
@@ -564,26 +550,26 @@ class FusionEngine:
         self.timeline.mark("backward.end")
         if not self.sync_enabled:
             return self.metrics
-        buffers = self._buffers
-        while self._next < len(buffers):
-            self._launch(buffers[self._next])
-            self._next += 1
+        current = self._round
+        while current.next < len(current.buffers):
+            self._launch(current.buffers[current.next])
+            current.next += 1
         # Every buffer must be on its channels before the control collectives are queued behind
         # them, or ranks could queue them in different orders: drain the offload worker first.
         self._accumulating = False
-        launched = [self._settle(item, "compress and launch") for item in self._pending]
+        launched = [self._settle(item, "compress and launch") for item in self._round.launched]
         # Only sparse slots need a vote: a dense sum carries any rank's NaN/Inf to every rank, so
         # the reduced dense parts are checked instead, at no extra round.
-        vote_round = self.active_plan.sparse_numel and not (self._vote_in_dense or self._vote_in_sparse)
+        vote_round = self.active_plan.sparse_numel and not (self._round.vote_in_dense or self._round.vote_in_sparse)
         health = self.channels[0].submit(_allreduce_max, self._health_vector()) if vote_round else None
         usage = self._agree_on_usage() if self.config.find_unused_parameters else None
         ready_order = self._agree_on_ready_order() if self._rebuild_from_ready_order else None
         started = time.perf_counter()
         results = [(buffer, self._wait(buffer, pending), encoded) for buffer, pending, encoded in launched]
-        if self._vote_in_dense:
+        if self._round.vote_in_dense:
             last, reduced, _ = results[len(self.active_plan.buffers) - 1]
             votes = reduced.dense[last.dense_numel :]
-        elif self._vote_in_sparse:
+        elif self._round.vote_in_sparse:
             votes = results[len(self.active_plan.buffers) - 1][2].votes
         else:
             votes = self._settle(health, "non-finite check") if health is not None else None
@@ -602,7 +588,7 @@ class FusionEngine:
         for buffer, reduced, encoded in results:
             with self.timeline.span("write", buffer.index):
                 # error feedback from the round's gradients, before they are overwritten
-                self._feedback.commit(encoded.updates, reduced.applied)
+                self._round.feedback.commit(encoded.updates, reduced.applied)
                 self._write_gradients(buffer, reduced, globally_used)
             self._count_traffic(buffer, reduced)
         self.sparsifier.advance()
@@ -621,7 +607,7 @@ class FusionEngine:
         elif density_changed:
             self.set_plan(self._build_plan(self.order, self.costs))
         else:
-            self._reset_round()
+            self._new_round()
         return metrics
 
     def _agree_costs(self, group: dist.ProcessGroup | None) -> CostProfile:
@@ -640,19 +626,19 @@ class FusionEngine:
         """One entry per rank, 1 at this rank when any of its gradients this round was non-finite
         (written without a host sync, so a vote riding in a dense part does not stall the launch)."""
         vector = torch.zeros(self.world_size, dtype=torch.uint8, device=self.channels.device) if out is None else out.zero_()
-        if self._finite:
+        if self._round.finite:
             rank = dist.get_rank(self.channels[0].group) if self.world_size > 1 else 0
-            vector[rank] = torch.logical_not(torch.stack(self._finite).all()).to(vector.dtype)
+            vector[rank] = torch.logical_not(torch.stack(self._round.finite).all()).to(vector.dtype)
         return vector
 
     def _drop_round(self, where: str, globally_used: list[int] | None) -> StepMetrics:
         """Every rank drops the round alike: error feedback and thresholds untouched, and either
         no gradient written or, with a GradScaler, inf in every gradient the round would have
         written, so that the scaler skips the step and lowers its scale."""
-        if self._sparsifier_snapshot is not None:
-            self.sparsifier.load_state_dict(self._sparsifier_snapshot)
+        if self._round.sparsifier_snapshot is not None:
+            self.sparsifier.load_state_dict(self._round.sparsifier_snapshot)
         step = self.step
-        self._reset_round()
+        self._new_round()
         if self._current_loss_scale() is not None:
             for position, param in enumerate(self.params):
                 if globally_used is None or globally_used[position]:
@@ -704,14 +690,14 @@ class FusionEngine:
 
     def _agree_on_ready_order(self) -> Future:
         """Rank 0's gradient-ready order (parameters it never saw last, in backward order)."""
-        seen = set(self._ready_order)
-        order = self._ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
+        seen = set(self._round.ready_order)
+        order = self._round.ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
         return self.channels[0].submit(_broadcast_from_rank0, torch.tensor(order, dtype=torch.int64, device=self.channels.device))
 
     def _agree_on_usage(self) -> Future:
         """DDP's find_unused_parameters: a parameter no rank used (in any micro-batch since the last
         synchronized round) keeps ``.grad`` untouched."""
-        used = [self._participates(position) for position in range(len(self.params))]
+        used = [self._round.participates(position) for position in range(len(self.params))]
         used = torch.tensor(used, dtype=torch.uint8, device=self.channels.device)
         return self.channels[0].submit(_allreduce_max, used)
 
