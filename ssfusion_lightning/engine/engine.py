@@ -32,6 +32,7 @@ from ssfusion_lightning.comm.channels import Completed
 from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
 from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link
 from ssfusion_lightning.engine import state as engine_state
+from ssfusion_lightning.engine.agreement import Agreement, NonFiniteVote, vote_route
 from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
@@ -317,18 +318,10 @@ class FusionEngine:
 
     def _new_round(self) -> None:
         plan = self.active_plan
-        # A sparse plan needs every rank to know whether any rank's gradients were non-finite.
-        # When the last buffer has a dense part, packed after every other tensor was compressed,
-        # the vote rides at its end (one entry per rank) instead of taking a round of its own;
-        # otherwise in its sparse exchange, where the communicator carries one flag per rank to
-        # every rank (in a count header it sends anyway). Per-tensor policies pack the last
-        # buffer on the offload worker behind every offloaded selection; a whole buffer
-        # offloaded ahead of the last may finish its check after the last one is packed.
-        rides = plan.sparse_numel > 0 and (self.policy.per_tensor or not self._offloaded)
-        in_dense = rides and plan.buffers[-1].dense_numel > 0 and self.communicator.sums_dense
-        in_sparse = rides and not in_dense and self.communicator.carries_votes(plan.buffers[-1])
-        buffers = plan.buffers + self._coo_buffers
-        self._round = Round(buffers, len(self.params), ErrorFeedback(self.memory), in_dense, in_sparse)
+        route = vote_route(plan, self.communicator, self.policy.per_tensor, offloads=bool(self._offloaded))
+        vote = NonFiniteVote(route, len(plan.buffers) - 1, self.world_size, self.channels[0])
+        # the round's buffers: the policy's plan, then one per sparse-gradient parameter
+        self._round = Round(plan.buffers + self._coo_buffers, len(self.params), ErrorFeedback(self.memory), vote)
 
     def _mark_ready(self, position: int) -> None:
         current = self._round
@@ -360,13 +353,10 @@ class FusionEngine:
             current.next += 1
 
     # ---------------------------------------------------------------- buffer -> sparsify -> communicate
-    def _carries_vote(self, buffer: Buffer) -> bool:
-        return (self._round.vote_in_dense or self._round.vote_in_sparse) and buffer.index == len(self.active_plan.buffers) - 1
-
     def _dense_out(self, buffer: Buffer) -> Tensor | None:
         if buffer.dense_numel == 0:
             return None
-        numel = buffer.dense_numel + (self.world_size if self._round.vote_in_dense and self._carries_vote(buffer) else 0)
+        numel = buffer.dense_numel + (self.world_size if self._round.vote.rides_in_dense(buffer) else 0)
         key = (buffer.index, numel)
         out = self._dense_storage.get(key)
         if out is None:
@@ -409,7 +399,7 @@ class FusionEngine:
         started = time.perf_counter()
         with self.timeline.span("select", self._slot_of[slot.param][0], slot.name):
             if slot.sparse and grad is not None:
-                self._round.finite.append(all_finite([grad]))
+                self._round.vote.note(all_finite([grad]))
             piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
         elapsed = time.perf_counter() - started
         if offloaded:
@@ -453,7 +443,7 @@ class FusionEngine:
         ctx = self._context(buffer)
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
-            self._round.finite.append(all_finite(grads))
+            self._round.vote.note(all_finite(grads))
             for j, piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
                 pieces[j] = piece
         self.metrics.compress_seconds += time.perf_counter() - started
@@ -513,7 +503,7 @@ class FusionEngine:
         with self.timeline.span("select", buffer.index):
             sparse = [g for slot, g in zip(buffer.slots, grads) if slot.sparse and g is not None]
             if sparse:
-                self._round.finite.append(all_finite(sparse))
+                self._round.vote.note(all_finite(sparse))
             encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context(buffer))
         self.metrics.compress_seconds += time.perf_counter() - started
         return self._finish_encoding(buffer, encoded)
@@ -522,12 +512,13 @@ class FusionEngine:
         return self._launch_encoded(buffer, self._compress_buffer(buffer, grads))
 
     def _finish_encoding(self, buffer: Buffer, encoded: Encoded) -> Encoded:
-        if self._round.vote_in_dense and self._carries_vote(buffer):
-            self._health_vector(out=encoded.dense[buffer.dense_numel :])
+        vote = self._round.vote
+        if vote.rides_in_dense(buffer):
+            vote.vector(out=encoded.dense[buffer.dense_numel :])
         if encoded.values is not None and encoded.values.device != self.channels.device:
             encoded = to_device(encoded, self.channels.device)  # selected on pinned host memory
-        if self._round.vote_in_sparse and self._carries_vote(buffer):
-            encoded.votes = self._health_vector()  # every rank's flag once the buffer is reduced
+        if vote.rides_in_sparse(buffer):
+            encoded.votes = vote.vector()  # every rank's flag once the buffer is reduced
         return encoded
 
     def _launch_encoded(self, buffer: Buffer, encoded: Encoded) -> tuple[Buffer, PendingReduction, Encoded]:
@@ -557,24 +548,19 @@ class FusionEngine:
         # Every buffer must be on its channels before the control collectives are queued behind
         # them, or ranks could queue them in different orders: drain the offload worker first.
         self._accumulating = False
-        launched = [self._settle(item, "compress and launch") for item in self._round.launched]
-        # Only sparse slots need a vote: a dense sum carries any rank's NaN/Inf to every rank, so
-        # the reduced dense parts are checked instead, at no extra round.
-        vote_round = self.active_plan.sparse_numel and not (self._round.vote_in_dense or self._round.vote_in_sparse)
-        health = self.channels[0].submit(_allreduce_max, self._health_vector()) if vote_round else None
-        usage = self._agree_on_usage() if self.config.find_unused_parameters else None
-        ready_order = self._agree_on_ready_order() if self._rebuild_from_ready_order else None
+        launched = [self._settle(item, "compress and launch") for item in current.launched]
+        agreement = Agreement(
+            self.channels[0],
+            self._settle,
+            current.vote,
+            len(self.params),
+            used=[current.participates(i) for i in range(len(self.params))] if self.config.find_unused_parameters else None,
+            ready_order=current.ready_order if self._rebuild_from_ready_order else None,
+        )
         started = time.perf_counter()
         results = [(buffer, self._wait(buffer, pending), encoded) for buffer, pending, encoded in launched]
-        if self._round.vote_in_dense:
-            last, reduced, _ = results[len(self.active_plan.buffers) - 1]
-            votes = reduced.dense[last.dense_numel :]
-        elif self._round.vote_in_sparse:
-            votes = results[len(self.active_plan.buffers) - 1][2].votes
-        else:
-            votes = self._settle(health, "non-finite check") if health is not None else None
-        unhealthy = [rank for rank, flag in enumerate(votes.tolist()) if flag] if votes is not None else []
-        globally_used = self._settle(usage, "unused-parameter agreement").tolist() if usage is not None else None
+        unhealthy = agreement.unhealthy(results)
+        globally_used = agreement.used()
         self.metrics.exposed_comm_seconds += time.perf_counter() - started
         if unhealthy:
             return self._drop_round(f"on rank(s) {unhealthy}", globally_used)
@@ -596,9 +582,10 @@ class FusionEngine:
         self.step += 1
         density_changed = self._apply_density_schedule()
         metrics, self.metrics = self.metrics, StepMetrics()
+        ready_order = agreement.ready_order()
         if ready_order is not None:
             self._rebuild_from_ready_order = False
-            self.order = self._settle(ready_order, "ready-order agreement").tolist()
+            self.order = ready_order
             self.set_plan(self._build_plan(self.order))
         elif self._profiler is not None and self.step == self._profile_end:
             self.costs = self._settle(self.channels[0].submit(self._agree_costs), "cost-model agreement")
@@ -621,15 +608,6 @@ class FusionEngine:
         local = self._profiler.local_vector(self.channels.cpu_seconds_per_job())
         spread = self.communicator.selection_spread(self.world_size)
         return agree(local, self.names, links, self.world_size, group, device, 1.0 if spread is None else spread)
-
-    def _health_vector(self, out: Tensor | None = None) -> Tensor:
-        """One entry per rank, 1 at this rank when any of its gradients this round was non-finite
-        (written without a host sync, so a vote riding in a dense part does not stall the launch)."""
-        vector = torch.zeros(self.world_size, dtype=torch.uint8, device=self.channels.device) if out is None else out.zero_()
-        if self._round.finite:
-            rank = dist.get_rank(self.channels[0].group) if self.world_size > 1 else 0
-            vector[rank] = torch.logical_not(torch.stack(self._round.finite).all()).to(vector.dtype)
-        return vector
 
     def _drop_round(self, where: str, globally_used: list[int] | None) -> StepMetrics:
         """Every rank drops the round alike: error feedback and thresholds untouched, and either
@@ -687,19 +665,6 @@ class FusionEngine:
         except Exception as error:
             self._failed = True
             raise CommunicationError(f"ssfusion: step {self.step}: {what} failed: {error}") from error
-
-    def _agree_on_ready_order(self) -> Future:
-        """Rank 0's gradient-ready order (parameters it never saw last, in backward order)."""
-        seen = set(self._round.ready_order)
-        order = self._round.ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
-        return self.channels[0].submit(_broadcast_from_rank0, torch.tensor(order, dtype=torch.int64, device=self.channels.device))
-
-    def _agree_on_usage(self) -> Future:
-        """DDP's find_unused_parameters: a parameter no rank used (in any micro-batch since the last
-        synchronized round) keeps ``.grad`` untouched."""
-        used = [self._round.participates(position) for position in range(len(self.params))]
-        used = torch.tensor(used, dtype=torch.uint8, device=self.channels.device)
-        return self.channels[0].submit(_allreduce_max, used)
 
     def _write_gradients(self, buffer: Buffer, reduced: Reduced, globally_used: list[int] | None) -> None:
         for slot in buffer.slots:
@@ -841,11 +806,6 @@ def _local_gradients(params: Sequence[Tensor]) -> list[Tensor]:
     return [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
 
 
-def _broadcast_from_rank0(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    dist.broadcast(tensor, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return tensor
-
-
 def all_finite(tensors: list[Tensor]) -> Tensor:
     """A 0-d bool tensor (no host sync): min and max propagate NaN and +-Inf, and one aminmax pass
     costs a tenth of ``isfinite(t).all()`` on CPU."""
@@ -853,8 +813,3 @@ def all_finite(tensors: list[Tensor]) -> Tensor:
     if not bounds:
         return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
     return torch.isfinite(torch.stack(bounds)).all()
-
-
-def _allreduce_max(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor

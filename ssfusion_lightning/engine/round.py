@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor
-
+from ssfusion_lightning.engine.agreement import NonFiniteVote
 from ssfusion_lightning.fusion import ErrorFeedback
 from ssfusion_lightning.vocabulary import Buffer
 
@@ -22,10 +21,8 @@ class Round:
     num_params: int
     #: the round's error feedback (its loss scale is taken at the round's first selection)
     feedback: ErrorFeedback
-    #: where the non-finite vote travels: at the end of the last buffer's dense part, or in its
-    #: sparse exchange; neither: in a round of its own (see ``FusionEngine._new_round``)
-    vote_in_dense: bool = False
-    vote_in_sparse: bool = False
+    #: whether any rank's gradients this round were non-finite
+    vote: NonFiniteVote
     #: per buffer: the slots whose gradient is not ready yet
     missing: list[int] = field(init=False)
     #: per buffer and slot: its compressed piece (a Future while offloaded), None until compressed
@@ -35,8 +32,6 @@ class Round:
     ready_order: list[int] = field(default_factory=list)
     #: parameters a backward reached since the last synchronized round (gradient accumulation)
     used_unsynced: list[bool] = field(init=False)
-    #: this rank's finiteness checks of the round's sparse gradients (0-d bool tensors, no host sync)
-    finite: list[Tensor] = field(default_factory=list)
     #: the sparsifier's state before the round's first selection: put back if the round is dropped
     sparsifier_snapshot: dict[str, Any] | None = None
     #: the first buffer not launched yet
