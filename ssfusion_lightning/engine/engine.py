@@ -186,8 +186,7 @@ class FusionEngine:
         self.metrics = StepMetrics()
         self._hooks: list[Any] = []
         self._failed = False
-        self._accumulating = False
-        self._restored_accumulation: dict[str, Tensor] | None = None
+        self._accumulated = engine_state.AccumulatedGradients()
         self._dense_storage: dict[tuple[int, int], Tensor] = {}
         # Like DDP: the first round runs in registration order, then the plan is rebuilt once
         # from the gradient-ready order rank 0 observed (DDP skips this with find_unused_parameters).
@@ -281,15 +280,11 @@ class FusionEngine:
     def begin_backward(self) -> None:
         self.timeline.step = self.step
         self.timeline.mark("backward.begin")
-        if self._restored_accumulation is not None:
-            for position, (name, param) in enumerate(zip(self.names, self.params)):
-                grad = self._restored_accumulation.get(name)
-                param.grad = None if grad is None else grad.to(param.device)
-                self._round.used_unsynced[position] = grad is not None
-            self._restored_accumulation = None
-            self._accumulating = True
+        held = self._accumulated.put_back(self.names, self.params)
+        if held is not None:
+            self._round.used_unsynced[:] = held
         if not self.sync_enabled:
-            self._accumulating = True  # local gradients pile up until the synchronized backward
+            self._accumulated.pending = True  # local gradients pile up until the synchronized backward
         elif self.profiling:
             self._profiler.begin_backward()
 
@@ -547,7 +542,7 @@ class FusionEngine:
             current.next += 1
         # Every buffer must be on its channels before the control collectives are queued behind
         # them, or ranks could queue them in different orders: drain the offload worker first.
-        self._accumulating = False
+        self._accumulated.pending = False
         launched = [self._settle(item, "compress and launch") for item in current.launched]
         agreement = Agreement(
             self.channels[0],
@@ -693,12 +688,6 @@ class FusionEngine:
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """This rank's state in checkpoint format: tensors and plain values only (see ``state.py``)."""
-        accumulated = (
-            # saved in the middle of gradient accumulation: the local sum so far (Lightning saves no .grad)
-            {n: p.grad.detach().cpu().clone() for n, p in zip(self.names, self.params) if p.grad is not None}
-            if self._accumulating
-            else None
-        )
         return {
             "format": engine_state.FORMAT,
             "step": self.step,
@@ -708,27 +697,14 @@ class FusionEngine:
             "sparsifier": engine_state.plain(self.sparsifier.state_dict(), "sparsifier state"),
             "memory": engine_state.plain(self.memory.state_dict(), "memory state"),
             "communicator": engine_state.plain(self.communicator.state_dict(), "communicator state"),
-            "accumulated": accumulated,
+            "accumulated": self._accumulated.saved(self.names, self.params),
         }
 
     def check_state(self, state: Any) -> dict[str, Any]:
         """Refuse a state that is corrupted or belongs to another model, with a clear error; return
         it in the current format (an older format is migrated)."""
-        state = engine_state.upgrade(state)
-        if not isinstance(state["step"], int) or not isinstance(state["order"], list):
-            raise ValueError("corrupted engine state: 'step' must be an int and 'order' a list")
-        plan = engine_state.decode_plan(state["plan"])
-        saved = sorted((s.name, s.numel) for b in plan.buffers for s in b.slots)
-        ours = sorted((spec.name, spec.numel) for _, spec in self.specs(range(len(self.params))))
-        if saved != ours:
-            differing = sorted({n for n, _ in ours} ^ {n for n, _ in saved})[:5]
-            raise ValueError(
-                f"the checkpoint's engine state belongs to a different model (parameters differ, e.g. {differing})"
-            )
-        if sorted(state["order"]) != list(range(len(self.params))):
-            raise ValueError(f"corrupted engine state: 'order' is not a permutation of the {len(self.params)} parameters")
-        engine_state.decode_costs(state["costs"])
-        return state
+        planned = [(spec.name, spec.numel) for _, spec in self.specs(range(len(self.params)))]
+        return engine_state.check(state, planned, len(self.params))
 
     def load_state_dict(
         self, state: dict[str, Any], per_rank: bool = True, replan: bool = False, fresh: Collection[str] = ()
@@ -755,7 +731,7 @@ class FusionEngine:
         else:
             device = self.channels.device
             # Put back right before the next backward: Lightning clears .grad while it restarts.
-            self._restored_accumulation = state.get("accumulated") or None
+            self._accumulated.restore(state.get("accumulated"))
             if "sparsifier" not in fresh:
                 self.sparsifier.load_state_dict(_to_device(state["sparsifier"], device))
             self.memory.load_state_dict(_to_device(state["memory"], device))
