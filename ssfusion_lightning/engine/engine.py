@@ -10,6 +10,9 @@ buffer is complete and every earlier one has launched, its small sparse tensors 
 ``BATCH_BELOW`` elements, whose selection costs mostly its fixed overhead) are selected together
 in one batched call, then its pieces are packed in slot order and launched. Whole-buffer policies
 (``behind``) compress the complete buffer instead.
+
+Beside this module: a round's state (``round.py``, made afresh for every round), the control
+agreements that end a round (``agreement.py``), and the state checkpoints keep (``state.py``).
 """
 
 from __future__ import annotations
@@ -532,51 +535,77 @@ class FusionEngine:
 
     # ---------------------------------------------------------------- write gradients
     def finish(self) -> StepMetrics:
-        """Launch what is left (missing gradients count as zeros), wait, decode, write ``.grad``."""
+        """The end of a synchronized backward: launch what is left (missing gradients count as
+        zeros), agree, wait, drop the round where a gradient was non-finite, else write the error
+        feedback and ``.grad``; then the next round begins, on a new plan when one is due."""
         self.timeline.mark("backward.end")
         if not self.sync_enabled:
             return self.metrics
-        current = self._round
-        while current.next < len(current.buffers):
-            self._launch(current.buffers[current.next])
-            current.next += 1
-        # Every buffer must be on its channels before the control collectives are queued behind
-        # them, or ranks could queue them in different orders: drain the offload worker first.
         self._accumulated.pending = False
-        launched = [self._settle(item, "compress and launch") for item in current.launched]
-        agreement = Agreement(
-            self.channels[0],
-            self._settle,
-            current.vote,
-            len(self.params),
-            used=[current.participates(i) for i in range(len(self.params))] if self.config.find_unused_parameters else None,
-            ready_order=current.ready_order if self._rebuild_from_ready_order else None,
-        )
+        launched = self._launch_rest()
+        agreement = self._agree()
         started = time.perf_counter()
         results = [(buffer, self._wait(buffer, pending), encoded) for buffer, pending, encoded in launched]
         unhealthy = agreement.unhealthy(results)
         globally_used = agreement.used()
         self.metrics.exposed_comm_seconds += time.perf_counter() - started
-        if unhealthy:
-            return self._drop_round(f"on rank(s) {unhealthy}", globally_used)
-        # exact sums carry any rank's NaN/Inf to every rank: dense parts and sparse gradients
-        summed = [reduced.dense for _, reduced, _ in results if reduced.dense is not None]
-        coo_sums = [reduced.sparse for buffer, reduced, _ in results if buffer.slots[0].param in self._coo]
-        if not bool(all_finite(summed + coo_sums)):
-            own = "finite" if bool(all_finite(_local_gradients(self.params))) else "non-finite"
-            where = "all-reduced dense gradients" + (" or the summed sparse gradients" if coo_sums else "")
-            return self._drop_round(f"in the {where} (this rank's own were {own})", globally_used)
+        nonfinite = self._nonfinite(results, unhealthy)
+        if nonfinite is not None:
+            return self._drop_round(nonfinite, globally_used)
         for buffer, reduced, encoded in results:
             with self.timeline.span("write", buffer.index):
                 # error feedback from the round's gradients, before they are overwritten
                 self._round.feedback.commit(encoded.updates, reduced.applied)
                 self._write_gradients(buffer, reduced, globally_used)
             self._count_traffic(buffer, reduced)
+        metrics = self._end_step()
+        self._next_round(agreement)
+        return metrics
+
+    def _launch_rest(self) -> list[tuple[Buffer, PendingReduction, Encoded]]:
+        """Launch the buffers not launched yet, then wait until every buffer is on its channels:
+        the control collectives queue behind them, and ranks must queue them in the same order,
+        so the offload worker is drained first."""
+        current = self._round
+        while current.next < len(current.buffers):
+            self._launch(current.buffers[current.next])
+            current.next += 1
+        return [self._settle(item, "compress and launch") for item in current.launched]
+
+    def _agree(self) -> Agreement:
+        """The round's control agreements, queued behind its buffers (see ``agreement.py``)."""
+        current, count = self._round, len(self.params)
+        used = [current.participates(i) for i in range(count)] if self.config.find_unused_parameters else None
+        ready_order = current.ready_order if self._rebuild_from_ready_order else None
+        return Agreement(self.channels[0], self._settle, current.vote, count, used, ready_order)
+
+    def _nonfinite(self, results: list[tuple[Buffer, Reduced, Encoded]], unhealthy: list[int]) -> str | None:
+        """Where a non-finite gradient showed this round; None where none did. Sparse selections
+        are voted on (``unhealthy``: the ranks that saw one); exact sums carry any rank's NaN/Inf
+        to every rank, so the dense parts and the summed sparse gradients are checked."""
+        if unhealthy:
+            return f"on rank(s) {unhealthy}"
+        summed = [reduced.dense for _, reduced, _ in results if reduced.dense is not None]
+        coo_sums = [reduced.sparse for buffer, reduced, _ in results if buffer.slots[0].param in self._coo]
+        if bool(all_finite(summed + coo_sums)):
+            return None
+        own = "finite" if bool(all_finite(_local_gradients(self.params))) else "non-finite"
+        where = "all-reduced dense gradients" + (" or the summed sparse gradients" if coo_sums else "")
+        return f"in the {where} (this rank's own were {own})"
+
+    def _end_step(self) -> StepMetrics:
+        """The round is written: the sparsifier moves on, the step counts, and its metrics are handed out."""
         self.sparsifier.advance()
         self.metrics.requested_density = self.sparsifier.density if self.step >= self.config.warmup_steps else 1.0
         self.step += 1
-        density_changed = self._apply_density_schedule()
         metrics, self.metrics = self.metrics, StepMetrics()
+        return metrics
+
+    def _next_round(self, agreement: Agreement) -> None:
+        """A new round, on a new plan where one is due: from rank 0's gradient-ready order (after
+        the first round), from the agreed costs (once the profiled rounds are over), or at the
+        density the schedule asks for."""
+        density_changed = self._apply_density_schedule()
         ready_order = agreement.ready_order()
         if ready_order is not None:
             self._rebuild_from_ready_order = False
@@ -590,7 +619,6 @@ class FusionEngine:
             self.set_plan(self._build_plan(self.order, self.costs))
         else:
             self._new_round()
-        return metrics
 
     def _agree_costs(self, group: dist.ProcessGroup | None) -> CostProfile:
         """Measure the links on this group, then take every number's max over the ranks."""
