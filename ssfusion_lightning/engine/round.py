@@ -27,8 +27,9 @@ class Round:
     missing: list[int] = field(init=False)
     #: per buffer and slot: its compressed piece (a Future while offloaded), None until compressed
     pieces: list[list[Any]] = field(init=False)
-    #: parameters whose gradient became ready in the synchronized backward, in that order
+    #: parameters whose gradient became ready in the synchronized backward
     used: list[bool] = field(init=False)
+    #: the same parameters, in the order their gradients became ready
     ready_order: list[int] = field(default_factory=list)
     #: parameters a backward reached since the last synchronized round (gradient accumulation)
     used_unsynced: list[bool] = field(init=False)
