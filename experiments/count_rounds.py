@@ -11,8 +11,7 @@ fp32 gradients) with ``buffer_mb=0.25`` for ``STEPS`` steps, so every plan has s
 
 Every call of a ``torch.distributed`` collective or point-to-point function is counted by a
 wrapper, with the group it ran on and its call site: the innermost frame of ssfusion_lightning
-(function and source line) and, for jobs run by a channel, the engine function that submitted
-the job. The call site names its kind: payload (a buffer's dense part, sparse values and
+(function and source line). The call site names its kind: payload (a buffer's dense part, sparse values and
 indices) or control (counts, the non-finite vote, thresholds, region edges, one-off agreements).
 Calls on the default (world) group are not the strategy's rounds: Lightning's logging sync
 (``self.log(..., sync_dist=True)``: a barrier and an all_reduce on gloo) and set-up; they are
@@ -82,11 +81,11 @@ RULES: tuple[tuple[str, str | None, str, str], ...] = (
     ("_largest_reaching", None, "control", "oktopk_threshold"),
     ("_all_gather_counts", None, "control", "oktopk_sizes"),
     ("_broadcast_from_rank0", None, "control", "ready_order"),
+    ("_nonfinite_vote", None, "control", "vote"),
+    ("_usage_vote", None, "control", "usage"),
     ("measure_link", None, "control", "link_probe"),
     ("agree", None, "control", "costs"),
 )
-#: jobs of the engine's own control functions, named by the engine function that submitted them
-SUBMITTERS = {"finish": "vote", "_agree_on_usage": "usage"}
 CONTROL_KINDS = (
     "counts",
     "vote",
@@ -136,34 +135,15 @@ class RoundCounter:
         self.step = -1
         self.counts: dict[int, Counter] = {}
         self._lock = threading.Lock()
-        self._local = threading.local()
         self._package = str(Path(__file__).resolve().parents[1] / "ssfusion_lightning")
 
     def install(self) -> None:
         import torch.distributed as dist
 
-        from ssfusion_lightning.comm.channels import Channel
-
         for name in WRAPPED:
             original = getattr(dist, name, None)
             if original is not None:
                 setattr(dist, name, self._wrap(name, original))
-        submit = Channel.submit
-        counter = self
-
-        def labelled_submit(channel: Channel, fn, *args):
-            site = sys._getframe(1).f_code.co_name
-
-            def job(*job_args):
-                counter._local.site = site
-                try:
-                    return fn(*job_args)
-                finally:
-                    counter._local.site = None
-
-            return submit(channel, job, *args)
-
-        Channel.submit = labelled_submit
 
     def _wrap(self, name: str, original):
         def wrapper(*args, **kwargs):
@@ -189,8 +169,6 @@ class RoundCounter:
 
         function = frame.f_code.co_name
         line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-        if function == "_allreduce_max":
-            return "control", SUBMITTERS.get(getattr(self._local, "site", None), "unclassified")
         for rule_function, text, category, kind in RULES:
             if function == rule_function and (text is None or text in line):
                 return category, kind

@@ -17,7 +17,7 @@ Outputs under --out (default experiments/results):
   (ms from the earliest rank's backward begin): the backward (begin_backward() to finish()),
   compression (select, pack, launch) on the main thread and on the offload worker, each process
   group's collectives, and the main thread's waits and gradient writes; colour = buffer;
-- ``timeline_<scheme>.json``: the events (fields of ``ssfusion_lightning.engine.timeline.Event``);
+- ``timeline_<scheme>.json``: the events (fields of ``ssfusion_lightning.timeline.Event``);
   ``chrome_trace([Event(**e) for e in run["events"]])`` turns a run's into a Chrome trace;
 - ``timeline.md``: per run and rank, per buffer the launch and the collectives' start and end
   relative to the backward's end (negative: before it), the communication overlapped with the

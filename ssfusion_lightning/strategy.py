@@ -35,12 +35,12 @@ from ssfusion_lightning.engine.errors import CommunicationError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.state import CHECKPOINT_KEY, ResumeChanges, gather_to_rank0, plain, resume_changes
 from ssfusion_lightning.engine.state import FORMAT as ENGINE_STATE_FORMAT
-from ssfusion_lightning.engine.timeline import Timeline
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, validate_density
 from ssfusion_lightning.sparsifiers.memory import DGCMemory
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
+from ssfusion_lightning.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class SSFusionStrategy(DDPStrategy):
             dead rank or a cut link fails the step with an error instead of hanging.
         timeline: record this rank's engine phases per buffer (compression, launch, collectives,
             waits) in ``strategy.timeline`` from the start (``strategy.timeline.enable()`` does it
-            at any time); see ``ssfusion_lightning/engine/timeline.py``. Recording never changes
+            at any time); see ``ssfusion_lightning/timeline.py``. Recording never changes
             what is sent, so ranks may differ here.
     """
 

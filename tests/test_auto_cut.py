@@ -15,7 +15,6 @@ from torch import nn
 
 import ssfusion_lightning as ssf
 from ssfusion_lightning.costmodel import CostProfile, Link
-from ssfusion_lightning.engine.plan import ParamSpec, cut_by_bytes
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.fusion.cut import (
     DDP_BUFFER_BYTES,
@@ -25,6 +24,7 @@ from ssfusion_lightning.fusion.cut import (
     modelled_finish,
 )
 from ssfusion_lightning.sparsifiers import build_sparsifier
+from ssfusion_lightning.vocabulary import ParamSpec, cut_by_bytes
 
 
 def specs(sizes, dtypes=None):

@@ -35,8 +35,8 @@ from ssfusion_lightning.commcost import (
     scheme_seconds,
 )
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.engine.plan import Buffer, Plan, Slot
 from ssfusion_lightning.presets import SYSTEM_PRESETS
+from ssfusion_lightning.vocabulary import Buffer, Plan, Slot
 from tests.workloads import Regressor, make_trainer, regression_data
 
 US = 1e-6

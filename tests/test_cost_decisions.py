@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from ssfusion_lightning.costmodel import CostProfile, Link
-from ssfusion_lightning.engine.plan import ParamSpec
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.fusion.adaptive import adaptive_boundaries
 from ssfusion_lightning.fusion.partial import sparse_decisions
 from ssfusion_lightning.fusion.selective import choose_threshold
 from ssfusion_lightning.sparsifiers import build_sparsifier
+from ssfusion_lightning.vocabulary import ParamSpec
 
 US = 1e-6
 NS_PER_BYTE = 1e-9

@@ -14,9 +14,9 @@ from torch import nn
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
 from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
-from ssfusion_lightning.engine.plan import ParamSpec, cut_by_bytes
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
+from ssfusion_lightning.vocabulary import ParamSpec, cut_by_bytes
 
 POLICIES = ["layerwise", "behind", "ahead", "aligned", "adaptive", "selective", "partial"]
 EXACT_COMMS = ["allreduce", "allgather", "hybrid", "zen", "sparcml"]
@@ -327,7 +327,7 @@ def first_buffer_launch_during_backward(fusion):
 
     def recording(encoded, buffer, channels):
         if buffer.index == 0:
-            missing_at_first_launch.append(len(engine.params) - len(engine._ready_order))
+            missing_at_first_launch.append(len(engine.params) - len(engine._round.ready_order))
         return launch(encoded, buffer, channels)
 
     engine.communicator.launch = recording

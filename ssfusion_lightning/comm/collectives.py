@@ -13,8 +13,7 @@ from ssfusion_lightning.comm.base import COMMUNICATORS, Communicator, PendingRed
 from ssfusion_lightning.comm.channels import Channel, ChannelSet, result
 from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
-from ssfusion_lightning.engine.plan import Buffer
-from ssfusion_lightning.fusion.base import Encoded
+from ssfusion_lightning.vocabulary import Buffer, Encoded
 
 
 def allreduce_dense(tensor: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, Traffic]:

@@ -37,8 +37,7 @@ from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype
 from ssfusion_lightning.comm.topology import Hierarchy
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
 from ssfusion_lightning.commcost import SCHEMES
-from ssfusion_lightning.engine.plan import Buffer, Plan
-from ssfusion_lightning.fusion.base import Encoded
+from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 #: every flat scheme can be the cross-node step
 CROSS_SCHEMES = SCHEMES

@@ -44,8 +44,7 @@ from ssfusion_lightning.comm.channels import Channel
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
 from ssfusion_lightning.comm.schemes import COUNT_BYTES, accumulation_dtype, bytes_as, wire_index_dtype
 from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
-from ssfusion_lightning.engine.plan import Buffer, Plan
-from ssfusion_lightning.fusion.base import Encoded
+from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 #: the reused threshold's grid: REUSE_RATIO ** j for j in [-REUSE_STEPS/2, REUSE_STEPS/2)
 REUSE_STEPS = 24

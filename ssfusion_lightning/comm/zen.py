@@ -43,8 +43,7 @@ from ssfusion_lightning.comm.schemes import (
 from ssfusion_lightning.comm.traffic import Traffic
 from ssfusion_lightning.commcost import BufferShape, Links, sparcml_seconds, zen_seconds
 from ssfusion_lightning.costmodel import Link, measure_link
-from ssfusion_lightning.engine.plan import Buffer, Plan
-from ssfusion_lightning.fusion.base import Encoded
+from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 #: the hash seed every rank uses unless a communicator agrees on another one
 DEFAULT_SEED = 0x5EED2E4

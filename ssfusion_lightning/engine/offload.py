@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ssfusion_lightning.fusion import Encoded
+from ssfusion_lightning.vocabulary import Encoded
 
 MODES = ("none", "thread", "stream", "auto")
 

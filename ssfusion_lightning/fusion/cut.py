@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.engine.plan import ParamSpec, cut_by_bytes
+from ssfusion_lightning.vocabulary import ParamSpec, cut_by_bytes
 
 Item = tuple[int, ParamSpec]
 
