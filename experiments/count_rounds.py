@@ -27,10 +27,8 @@ The table is the median over the steady-state steps ``STEADY`` of every column.
 from __future__ import annotations
 
 import argparse
-import csv
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -39,7 +37,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments.common import RESULTS, fmt, free_port, read_csv, write_csv
+
 STEPS = 10
 STEADY = range(6, 10)
 WORLDS = (2, 4)
@@ -261,9 +260,7 @@ def _worker(rank: int, world: int, port: int, names: list[str], out: mp.Queue) -
 
 def count(world: int, names: list[str]) -> dict[str, list[dict[str, Any]]]:
     """Every rank's counts per configuration."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world, port, names, out), daemon=True) for r in range(world)]
@@ -324,25 +321,6 @@ def step_rows(name: str, world: int, result: dict[str, Any]) -> list[dict[str, A
         for step, counts in sorted(result["counts"].items())
         for (category, kind), n in sorted(counts.items())
     ]  # fmt: skip
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _fmt(v) for k, v in row.items()})
 
 
 #: what the table's "after" column removed, and what it leaves (rounds.md, below the table)
@@ -464,13 +442,10 @@ def main(argv: list[str] | None = None) -> None:
                 row = rows_for(name, world, results[name])
                 rows.append(row)
                 steps += step_rows(name, world, results[name][0])
-                print(", ".join(f"{k}={_fmt(v)}" for k, v in row.items() if v not in (0, 0.0)), flush=True)
+                print(", ".join(f"{k}={fmt(v)}" for k, v in row.items() if v not in (0, 0.0)), flush=True)
         suffix = "" if args.label == "after" else "_before"
-        write_csv(args.out / f"rounds{suffix}.csv", rows)
-        with (args.out / f"rounds{suffix}_steps.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=STEP_FIELDS)
-            writer.writeheader()
-            writer.writerows(steps)
+        write_csv(args.out / f"rounds{suffix}.csv", FIELDS, rows, cell=fmt)
+        write_csv(args.out / f"rounds{suffix}_steps.csv", STEP_FIELDS, steps)
     write_report(args.out)
 
 

@@ -41,7 +41,6 @@ and the block between the simulate markers of experiments/REPORT.md.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import statistics
@@ -51,6 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.common import read_csv
+from experiments.common import ring_bytes as ring
+from experiments.common import write_rounded_csv as write_csv
 from ssfusion_lightning.commcost import BufferShape, Links, buffer_seconds, choose_scheme
 
 HERE = Path(__file__).resolve().parent
@@ -95,10 +97,6 @@ class Workload:
     sparse_k: int  # k: elements selected from them per step
     buffers: int  # fusion buffers (engine) / buckets (DDP)
     psgd_payload: float = 0.0  # bytes PowerSGD all-reduces per step (P-independent)
-
-
-def ring(nbytes: float, world: int) -> float:
-    return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
 
 
 def links_for(world: int, rate_mbit: float, alpha: float) -> Links:
@@ -164,11 +162,6 @@ def exposed_seconds(comm: float, compute: float, buffers: int) -> float:
 
 
 # =========================================================================== inputs
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def _f(value: str | None) -> float | None:
     return float(value) if value not in (None, "") else None
 
@@ -399,22 +392,6 @@ def project_paper(gpu: dict | None, worlds=WORLDS) -> list[dict]:
 
 
 # =========================================================================== outputs
-def _fmt(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return "inf" if value == math.inf else f"{value:.6g}"
-    return str(value)
-
-
-def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _fmt(row.get(k)) for k in fields})
-
-
 def claims(projection: list[dict]) -> list[dict[str, Any]]:
     """Communication-time ratios of the paper-size models at the published scales: ZEN at 16
     machines versus the best prior sparse scheme (allgather, SparCML), Ok-Topk at 256 versus the
@@ -565,7 +542,7 @@ def plot(check_rows: list[dict], projection: list[dict], out: Path) -> None:
 
 
 def update_report(block: str, path: Path = REPORT) -> bool:
-    from experiments.bench_e2e import update_report as update
+    from experiments.common import update_report as update
 
     return update(block, marker="simulate", path=path)
 

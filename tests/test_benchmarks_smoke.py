@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_e2e, simulate
+from experiments import common, e2e_analyze, e2e_report, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "experiments" / "results"
@@ -53,8 +53,8 @@ def _synthetic_e2e(tmp: Path) -> None:
                         "plan_sparse_k": 10_000} if scheme in simulate.SPARSE_KIND else {}
                 runs.append({"world": world, "rate": "none" if mbit == "inf" else rate, "workload": "toy",
                              "scheme": scheme, "rep": 0, "params": params, "per_rank_batch": batch, **plan})
-    _write(tmp / "e2e.csv", bench_e2e.SUMMARY_FIELDS, summary)
-    _write(tmp / "e2e_runs.csv", bench_e2e.RUN_FIELDS, runs)
+    _write(tmp / "e2e.csv", e2e_analyze.SUMMARY_FIELDS, summary)
+    _write(tmp / "e2e_runs.csv", e2e_analyze.RUN_FIELDS, runs)
 
 
 def test_simulate_projects_a_monotone_step_time_from_a_tiny_csv(tmp_path):
@@ -120,10 +120,10 @@ def test_bench_e2e_summary_and_targets_from_raw_rows(tmp_path):
                 "hook_payload": [500] * 8 if scheme.startswith("ddp_") else [],
                 "eval": {"val_acc": 0.9, "val_loss": 0.3} if rate == "none" and scheme in ("ddp", "ssfusion") else None,
             })
-    steps, rows = bench_e2e.raw_rows(runs)
-    bench_e2e.write_csv(tmp_path / "e2e_steps.csv", bench_e2e.STEP_FIELDS, steps)
-    bench_e2e.write_csv(tmp_path / "e2e_runs.csv", bench_e2e.RUN_FIELDS, rows)
-    summary, targets = bench_e2e.analyze(tmp_path, "e2e", update=False)
+    steps, rows = e2e_analyze.raw_rows(runs)
+    common.write_csv(tmp_path / "e2e_steps.csv", e2e_analyze.STEP_FIELDS, steps)
+    common.write_csv(tmp_path / "e2e_runs.csv", e2e_analyze.RUN_FIELDS, rows)
+    summary, targets = e2e_report.write_all(tmp_path, "e2e", update=False)
     row = next(r for r in summary if r["scheme"] == "ssfusion" and r["rate"] == "50mbit")
     assert row["step_s"] == pytest.approx(0.12)
     assert row["x_ddp"] == pytest.approx(0.5 / 0.12)
@@ -200,19 +200,37 @@ def test_gpu_script_runs_on_cpu_quick(tmp_path):
 # --------------------------------------------------------------------------- REPORT.md vs committed CSVs
 @pytest.mark.skipif(not (RESULTS / "e2e_steps.csv").exists(), reason="no committed e2e results")
 def test_report_e2e_numbers_come_from_the_committed_csvs():
-    steps = bench_e2e.read_csv(RESULTS / "e2e_steps.csv")
-    runs = bench_e2e.read_csv(RESULTS / "e2e_runs.csv")
-    summary = bench_e2e.summarize(steps, runs)
-    targets = bench_e2e.targets(summary)
-    assert bench_e2e.report_section("e2e") == bench_e2e.report_block(summary, targets).strip()
-    assert bench_e2e.report_section("e2e-headline") == bench_e2e.headline_block(summary, targets).strip()
+    steps = common.read_csv(RESULTS / "e2e_steps.csv")
+    runs = common.read_csv(RESULTS / "e2e_runs.csv")
+    summary = e2e_analyze.summarize(steps, runs)
+    targets = e2e_analyze.targets(summary)
+    assert common.report_section("e2e") == e2e_report.report_block(summary, targets).strip()
+    assert common.report_section("e2e-headline") == e2e_report.headline_block(summary, targets).strip()
     if (RESULTS / "e2e_curve.csv").exists():
-        curve = bench_e2e.read_csv(RESULTS / "e2e_curve.csv")
-        assert bench_e2e.report_section("e2e-curve") == bench_e2e.curve_markdown(curve).strip()
+        curve = common.read_csv(RESULTS / "e2e_curve.csv")
+        assert common.report_section("e2e-curve") == e2e_report.curve_markdown(curve).strip()
     # and the committed summary CSV is the one these raw rows give
     with (RESULTS / "e2e.csv").open() as f:
         committed = list(csv.DictReader(f))
-    assert committed == [{k: str(v) for k, v in r.items()} for r in bench_e2e.summary_csv_rows(summary)]
+    assert committed == [{k: str(v) for k, v in r.items()} for r in e2e_analyze.summary_csv_rows(summary)]
+
+
+@pytest.mark.parametrize("stem", ["e2e_cpu"])
+def test_bench_e2e_from_raw_rebuilds_the_committed_tables(tmp_path, stem):
+    """``python -m experiments.bench_e2e --from-raw`` on a committed raw record gives the committed
+    CSVs and Markdown again, byte for byte (REPORT.md cites these commands)."""
+    from experiments import bench_e2e
+
+    if not (RESULTS / f"{stem}_raw.jsonl").exists():
+        pytest.skip(f"no committed {stem} results")
+    for suffix in ("_raw.jsonl", "_meta.json"):
+        (tmp_path / f"{stem}{suffix}").write_text((RESULTS / f"{stem}{suffix}").read_text())
+    assert bench_e2e.main(["--from-raw", "--out", str(tmp_path), "--name", stem]) == 0
+    for suffix in (".csv", ".md", "_targets.csv", "_targets.md", "_runs.csv", "_steps.csv", "_curve.csv"):
+        name = f"{stem}{suffix}"
+        assert (tmp_path / name).read_text() == (RESULTS / name).read_text(), name
+    for suffix in ("_throughput.png", "_breakdown.png"):
+        assert (tmp_path / f"{stem}{suffix}").stat().st_size > 0
 
 
 @pytest.mark.skipif(not (RESULTS / "simulate_check.csv").exists(), reason="no committed simulate results")
@@ -220,7 +238,7 @@ def test_report_simulate_numbers_come_from_the_committed_csvs(tmp_path):
     assert simulate.main(["--out", str(tmp_path), "--no-report"]) == 0
     for name in ("simulate.csv", "simulate_check.csv"):
         assert (tmp_path / name).read_text() == (RESULTS / name).read_text(), name
-    section = bench_e2e.report_section("simulate")
+    section = common.report_section("simulate")
     assert section is not None and section == (tmp_path / "simulate.md").read_text().split("\n\n", 1)[1].strip()
 
 
@@ -230,7 +248,7 @@ def test_report_ab_tables_come_from_the_committed_csvs(stem):
 
     if not (RESULTS / f"{stem}.csv").exists():
         pytest.skip(f"no committed {stem} results")
-    rows = bench_e2e.read_csv(RESULTS / f"{stem}.csv")
+    rows = common.read_csv(RESULTS / f"{stem}.csv")
     labels = {r["variant"]: ab_engine_options.variant_label(r["options"], r.get("revision", "")) for r in rows}
     table = ab_engine_options.markdown(rows, labels["A"], labels["B"])
     assert (RESULTS / f"{stem}.md").read_text() == table
@@ -305,9 +323,9 @@ def test_report_memory_tables_come_from_the_committed_csvs(stem):
 
     if not (RESULTS / f"{stem}_runs.csv").exists():
         pytest.skip(f"no committed {stem} results")
-    runs = bench_e2e.read_csv(RESULTS / f"{stem}_runs.csv")
+    runs = common.read_csv(RESULTS / f"{stem}_runs.csv")
     table = bench_memory.markdown(bench_memory.summarize(runs), runs)
-    assert bench_e2e.report_section(stem.replace("_", "-")) == table.strip()
+    assert common.report_section(stem.replace("_", "-")) == table.strip()
     assert (RESULTS / f"{stem}.md").read_text().endswith(table)
 
 
