@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ssfusion_lightning.commcost import Link
 
@@ -151,23 +152,26 @@ def measure_serial_cpu(work_elements: int = 1 << 18, repeats: int = 5) -> float:
     releases the GIL) timed alone and then on two threads at once. 0 when the second thread ran on
     a free core, 1 when the two took turns on one. Every rank measures at the same moment, so ranks
     that share a host's cores see each other's load, as they do while training."""
-    source = torch.randn(work_elements)
-    out = torch.empty_like(source)
+    # not torch.randn: the probe runs beside training and must not draw from the global generator
+    source = torch.linspace(-1.0, 1.0, work_elements)
+    # one output per thread: writing one shared tensor from two cores would pass its cache lines
+    # back and forth, and a free core would look busy
+    outs = (torch.empty_like(source), torch.empty_like(source))
 
-    def work() -> None:
+    def work(out: Tensor) -> None:
         for _ in range(8):
             torch.abs(source, out=out)
 
     shares = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssfusion-cpu-probe") as pool:
-        pool.submit(work).result()  # the thread exists before anything is timed
+        pool.submit(work, outs[1]).result()  # the thread exists before anything is timed
         for _ in range(repeats):
             started = time.perf_counter()
-            work()
+            work(outs[0])
             alone = time.perf_counter() - started
             started = time.perf_counter()
-            beside = pool.submit(work)
-            work()
+            beside = pool.submit(work, outs[1])
+            work(outs[0])
             beside.result()
             together = time.perf_counter() - started
             shares.append(min(1.0, max(0.0, together / max(alone, 1e-9) - 1.0)))

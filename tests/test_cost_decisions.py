@@ -246,6 +246,17 @@ def test_the_cpu_probe_sees_one_core_as_serial():
     assert 0.25 <= share <= 1.0, share  # a free core gives about 0; outside load on the pinned core blurs 1
 
 
+def test_the_cpu_probe_leaves_the_global_generator_alone():
+    """It runs on a channel thread beside training: a draw from torch's global generator would
+    shift the model's own random stream (dropout, augmentation) at a moment no one chose."""
+    from ssfusion_lightning.costmodel import measure_serial_cpu
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    measure_serial_cpu(work_elements=1 << 10, repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_the_agreed_serial_share_is_every_ranks_worst(pool2):
     for costs in pool2.run(agree_serial_shares):
         assert costs.serial_cpu == 0.75 and costs.world_size == 2
