@@ -38,6 +38,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
+from ssfusion_lightning.commcost import ring_allreduce_bytes
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -266,10 +268,6 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 # =========================================================================== summary
-def ring_bytes(payload: float, world: int) -> float:
-    return 2 * (world - 1) / world * payload if world > 1 else 0.0
-
-
 def _num(value: str) -> float | None:
     return float(value) if value not in ("", None) else None
 
@@ -313,11 +311,11 @@ def summarize(steps: list[dict[str, str]], runs: list[dict[str, str]]) -> list[d
         seconds = [float(s["seconds"]) for s in items]
         step = statistics.median(seconds)
         params = int(run["params"])
-        dense = ring_bytes(params * 4, P)
+        dense = ring_allreduce_bytes(params * 4, P)
         if scheme in ENGINE_SCHEMES:
             sent = _median([v for s in items if (v := _num(s["bytes_sent"])) is not None])
         elif scheme in HOOKS:
-            sent = _median([ring_bytes(v, P) for s in items if (v := _num(s["hook_payload_bytes"])) is not None])
+            sent = _median([ring_allreduce_bytes(v, P) for s in items if (v := _num(s["hook_payload_bytes"])) is not None])
         elif scheme == "ddp":
             sent = dense
         else:

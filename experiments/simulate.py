@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ssfusion_lightning.commcost import BufferShape, Links, buffer_seconds, choose_scheme
+from ssfusion_lightning.commcost import BufferShape, Links, buffer_seconds, choose_scheme, ring_allreduce_bytes
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -97,10 +97,6 @@ class Workload:
     psgd_payload: float = 0.0  # bytes PowerSGD all-reduces per step (P-independent)
 
 
-def ring(nbytes: float, world: int) -> float:
-    return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
-
-
 def links_for(world: int, rate_mbit: float, alpha: float) -> Links:
     return Links.from_round_latency(world, alpha, rate_mbit * 1e6 / 8 * GOODPUT)
 
@@ -134,11 +130,11 @@ def scheme_bytes(scheme: str, w: Workload, world: int, rate_mbit: float = 10_000
     if world <= 1:
         return 0.0
     if scheme == "ddp":
-        return ring(w.params * V, world)
+        return ring_allreduce_bytes(w.params * V, world)
     if scheme == "ddp_fp16":
-        return ring(w.params * 2, world)
+        return ring_allreduce_bytes(w.params * 2, world)
     if scheme == "ddp_powersgd":
-        return ring(w.psgd_payload, world)
+        return ring_allreduce_bytes(w.psgd_payload, world)
     return engine_seconds(scheme, w, Links.from_round_latency(world, *BYTES_ONLY), links_for(world, rate_mbit, alpha))
 
 
@@ -203,7 +199,7 @@ def load_e2e(e2e_dir: Path, stem: str = "e2e") -> tuple[list[dict[str, Any]], di
     for r in summary:
         if r["scheme"] == "ddp_powersgd" and r["bytes_per_step"]:
             world = int(r["world"])
-            psgd[(r["workload"], world)] = float(r["bytes_per_step"]) / (2 * (world - 1) / world)
+            psgd[(r["workload"], world)] = float(r["bytes_per_step"]) / ring_allreduce_bytes(1.0, world)
     for r in runs:
         if r["error"]:
             continue
