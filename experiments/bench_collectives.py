@@ -73,10 +73,11 @@ def index_sets(pattern: str, world: int, numel: int, k: int, seed: int) -> list[
 def formulas(scheme: str, sets: list[torch.Tensor], numel: int, k: int) -> float:
     """Section 7's bytes received per rank (mean over ranks)."""
     from ssfusion_lightning.comm.sparcml import sparcml_expected_bytes
+    from ssfusion_lightning.commcost import ring_allreduce_bytes
 
     world = len(sets)
     if scheme == "allreduce":
-        return 2 * (world - 1) / world * numel * V
+        return ring_allreduce_bytes(numel * V, world)
     if scheme == "allgather":
         return (world - 1) * k * (V + X)
     if scheme == "zen":

@@ -102,11 +102,6 @@ def quantile(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
-def ring_bytes(nbytes: float, world: int) -> float:
-    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2(P-1)/P x nbytes (0 alone)."""
-    return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
-
-
 # =========================================================================== Markdown
 def cell(value: Any, spec: str = "{:.3g}", empty: str = "") -> str:
     """One Markdown table cell: a number through the format string ``spec``, ``empty`` for None or ""."""

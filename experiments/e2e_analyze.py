@@ -13,7 +13,8 @@ import statistics
 from collections import defaultdict
 from typing import Any, Iterable
 
-from experiments.common import fmt, median, num, quantile, rate_label, rate_mbit, ring_bytes
+from experiments.common import fmt, median, num, quantile, rate_label, rate_mbit
+from ssfusion_lightning.commcost import ring_allreduce_bytes
 
 DDP_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd4")
 ENGINE_SCHEMES = ("ssfusion", "ssfusion_dense", "safusion", "adtopk", "zen", "oktopk", "layerwise", "behind")
@@ -118,11 +119,11 @@ def summarize(steps: list[dict[str, str]], runs: list[dict[str, str]]) -> list[d
         seconds = [float(s["seconds"]) for s in items]
         step = statistics.median(seconds)
         params = int(run["params"])
-        dense = ring_bytes(params * 4, P)
+        dense = ring_allreduce_bytes(params * 4, P)
         if scheme in ENGINE_SCHEMES:
             sent = median(_column(items, "bytes_sent"))
         elif scheme in HOOKS:
-            sent = median([ring_bytes(v, P) for v in _column(items, "hook_payload_bytes")])
+            sent = median([ring_allreduce_bytes(v, P) for v in _column(items, "hook_payload_bytes")])
         elif scheme == "ddp":
             sent = dense
         else:

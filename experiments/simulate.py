@@ -51,9 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import read_csv
-from experiments.common import ring_bytes as ring
 from experiments.common import write_rounded_csv as write_csv
-from ssfusion_lightning.commcost import BufferShape, Links, buffer_seconds, choose_scheme
+from ssfusion_lightning.commcost import BufferShape, Links, buffer_seconds, choose_scheme, ring_allreduce_bytes
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -132,11 +131,11 @@ def scheme_bytes(scheme: str, w: Workload, world: int, rate_mbit: float = 10_000
     if world <= 1:
         return 0.0
     if scheme == "ddp":
-        return ring(w.params * V, world)
+        return ring_allreduce_bytes(w.params * V, world)
     if scheme == "ddp_fp16":
-        return ring(w.params * 2, world)
+        return ring_allreduce_bytes(w.params * 2, world)
     if scheme == "ddp_powersgd":
-        return ring(w.psgd_payload, world)
+        return ring_allreduce_bytes(w.psgd_payload, world)
     return engine_seconds(scheme, w, Links.from_round_latency(world, *BYTES_ONLY), links_for(world, rate_mbit, alpha))
 
 
@@ -196,7 +195,7 @@ def load_e2e(e2e_dir: Path, stem: str = "e2e") -> tuple[list[dict[str, Any]], di
     for r in summary:
         if r["scheme"] == "ddp_powersgd" and r["bytes_per_step"]:
             world = int(r["world"])
-            psgd[(r["workload"], world)] = float(r["bytes_per_step"]) / (2 * (world - 1) / world)
+            psgd[(r["workload"], world)] = float(r["bytes_per_step"]) / ring_allreduce_bytes(1.0, world)
     for r in runs:
         if r["error"]:
             continue

@@ -16,10 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ssfusion_lightning.commcost import Link
-
-#: the allgather scheme sends positions as int32 (every fusion buffer has < 2**31 elements)
-INDEX_BYTES = 4
+from ssfusion_lightning.commcost import POSITION_BYTES, Link, ring_allreduce_bytes
 
 
 @dataclass(frozen=True)
@@ -52,13 +49,12 @@ class CostProfile:
 
     def dense_seconds(self, numel: int, element_size: int) -> float:
         """Ring allreduce of ``numel`` elements: the link moves 2(P-1)/P of the bytes."""
-        p = self.world_size
-        return self.allreduce.seconds(2 * (p - 1) / p * numel * element_size) if p > 1 else 0.0
+        return self.allreduce.seconds(ring_allreduce_bytes(numel * element_size, self.world_size))
 
     def sparse_seconds(self, count: int, element_size: int) -> float:
-        """Allgather of ``count`` (value, index) pairs per rank: (P-1) * count pairs arrive."""
+        """Allgather of ``count`` (value, position) pairs per rank: (P-1) * count pairs arrive."""
         p = self.world_size
-        return self.allgather.seconds((p - 1) * count * (element_size + INDEX_BYTES)) if p > 1 else 0.0
+        return self.allgather.seconds((p - 1) * count * (element_size + POSITION_BYTES)) if p > 1 else 0.0
 
     def backward_seconds(self, name: str) -> float:
         return self.backward.get(name, 0.0)
@@ -140,7 +136,7 @@ def measure_link(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             samples.append(time.perf_counter() - start)
-        moved = 2 * (world - 1) / world * nbytes if collective == "allreduce" else (world - 1) * nbytes
+        moved = ring_allreduce_bytes(nbytes, world) if collective == "allreduce" else (world - 1) * nbytes
         xs.append(moved)
         ys.append(sorted(samples)[len(samples) // 2])
     alpha, beta = fit_line(xs, ys)

@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.comm.topology import Hierarchy, create_hierarchy
@@ -251,12 +252,14 @@ class SSFusionStrategy(DDPStrategy):
 
     # ------------------------------------------------------------ registration
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         for name, (description, kwargs) in SYSTEM_PRESETS.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **kwargs)
 
     # ------------------------------------------------------------ lifecycle
+    @override
     def _configure_launcher(self) -> None:
         # The Trainer calls this once it has chosen the accelerator and devices and before it
         # launches any rank: the earliest point where the offload mode can be checked against them.
@@ -268,6 +271,7 @@ class SSFusionStrategy(DDPStrategy):
             )
         super()._configure_launcher()
 
+    @override
     def configure_ddp(self) -> None:
         """Replace DDP's wrapper by the fusion engine: same starting point on all ranks, own groups, hooks."""
         assert self.model is not None
@@ -386,6 +390,7 @@ class SSFusionStrategy(DDPStrategy):
             for _ in range(self.process_groups)
         ]
 
+    @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         memory = self.engine.memory if self.engine is not None else None
@@ -394,6 +399,7 @@ class SSFusionStrategy(DDPStrategy):
             if taken is not None:
                 log.info("ssfusion: memory='dgc' applies the optimizer's momentum %s (momentum correction); the optimizer's is now 0", taken)
 
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.engine is not None and self.density_warmup_epochs:
@@ -423,6 +429,7 @@ class SSFusionStrategy(DDPStrategy):
         backend = self._get_process_group_backend()
         return [create_hierarchy(self.global_rank, self.world_size, per_node, backend, self._timeout) for _ in range(channels)]
 
+    @override
     def teardown(self) -> None:
         if self.engine is not None:
             # trainer.save_checkpoint() after fit() must still carry every rank's engine state
@@ -436,6 +443,7 @@ class SSFusionStrategy(DDPStrategy):
 
     # ------------------------------------------------------------ training step
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: no communication on the non-final micro-batches."""
         if self.engine is None:
@@ -447,10 +455,12 @@ class SSFusionStrategy(DDPStrategy):
         finally:
             self.engine.sync_enabled = True
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any):
         self._sync_buffers_before_forward()
         return super().training_step(*args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any):
         self._sync_buffers_before_forward()
         return super().validation_step(*args, **kwargs)
@@ -465,16 +475,19 @@ class SSFusionStrategy(DDPStrategy):
                 dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 1024 * 1024, 0)
         self._buffers_due = torch.is_grad_enabled() and self.engine.sync_enabled
 
+    @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is not None:
             self.engine.begin_backward()
 
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is None or not self.engine.sync_enabled:
             return
         self.last_metrics = self.engine.finish()
         self._log_metrics(self.last_metrics)
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the step in a communication failure raised by a collective outside the engine (e.g.
         ``self.log(..., sync_dist=True)`` on the default group when a peer is gone). The engine's own
@@ -499,6 +512,7 @@ class SSFusionStrategy(DDPStrategy):
             logger.log_metrics(values, step=trainer.global_step)
 
     # ------------------------------------------------------------ checkpoints
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Runs on every rank: gather each rank's engine state into rank 0's checkpoint, as tensors
         and plain values only (see ``engine/state.py``), so the file loads with torch's safe default."""
@@ -515,6 +529,7 @@ class SSFusionStrategy(DDPStrategy):
                 checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "config": self.engine_config(), "ranks": gathered}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -565,6 +580,7 @@ class SSFusionStrategy(DDPStrategy):
         self.engine.load_state_dict(ranks[self.global_rank], replan=changes.replan, fresh=changes.fresh)
 
     # ------------------------------------------------------------ spawn launcher
+    @override
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["engine"] = None

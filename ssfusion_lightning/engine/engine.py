@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet, Communicator, PendingReduction, Reduced
 from ssfusion_lightning.comm.base import CommContext
 from ssfusion_lightning.comm.channels import Completed
-from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
+from ssfusion_lightning.commcost import ring_allreduce_bytes
 from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link, measure_serial_cpu
 from ssfusion_lightning.engine import state as engine_state
 from ssfusion_lightning.engine.agreement import Agreement, NonFiniteVote, vote_route
@@ -717,7 +717,7 @@ class FusionEngine:
         self.metrics.padded_bytes_sent += t.padded_sent
         self.metrics.padded_bytes_received += t.padded_received
         element = self.params[buffer.slots[0].param].element_size()
-        self.metrics.dense_equivalent_bytes += ring_allreduce_bytes(buffer.numel, element, self.world_size)
+        self.metrics.dense_equivalent_bytes += int(ring_allreduce_bytes(buffer.numel * element, self.world_size))
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

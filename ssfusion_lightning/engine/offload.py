@@ -16,8 +16,6 @@ from torch import Tensor
 
 from ssfusion_lightning.vocabulary import Encoded
 
-MODES = ("none", "thread", "stream", "auto")
-
 
 class Offloader:
     def __init__(self, mode: str, device: torch.device) -> None:
