@@ -312,6 +312,8 @@ def write_outputs(runs: list[dict], out: Path, stem: str, meta: dict[str, Any]) 
     (out / f"{stem}.md").write_text(f"# Nodes of several ranks (emulated)\n\nCommand: `python -m experiments.bench_layouts "
                                      f"{' '.join(meta.get('argv', []))}`\n\n{text}")
     plot(summary, out / f"{stem}.png")
+    if stem == "layouts" and out.resolve() == RESULTS.resolve() and bench_e2e.update_report(text, marker="layouts"):
+        print(f"updated the layouts block of {bench_e2e.REPORT}")
     return text
 
 
@@ -321,6 +323,23 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     return str(value)
+
+
+def complete_launches(records: list[dict[str, Any]], layouts: list[tuple[int, int]],
+                      args: argparse.Namespace) -> tuple[list[dict[str, Any]], set[tuple[int, str]]]:
+    """The records of every (round, layout) whose launch recorded all its runs without an error."""
+    by: dict[tuple[int, str], list[dict]] = defaultdict(list)
+    for r in records:
+        by[(r["round"], r["layout"])].append(r)
+    kept, done = [], set()
+    for layout in layouts:
+        for round_ in range(args.rounds):
+            items = by.get((round_, label(layout)), [])
+            if items and len(items) == len(build_runs(layout, args, round_)) and not any("error" in r for r in items):
+                kept += items
+                done.add((round_, label(layout)))
+    kept.sort(key=lambda r: r["launch"])
+    return kept, done
 
 
 def write_run_csvs(records: list[dict[str, Any]], out: Path, stem: str) -> None:
@@ -348,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="layouts")
     parser.add_argument("--from-csv", action="store_true", help="only rebuild the summary, tables and plot")
     parser.add_argument("--from-raw", action="store_true", help="rebuild the CSVs too, from <stem>_raw.jsonl")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the launches <stem>_raw.jsonl holds in full and run only the others")
     args = parser.parse_args(argv)
     out, stem = args.out, args.name
     out.mkdir(parents=True, exist_ok=True)
@@ -362,12 +383,19 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [parse_layout(x) for x in args.layouts]
     started = time.monotonic()
     records: list[dict[str, Any]] = []
-    launch = 0
+    done: set[tuple[int, str]] = set()
+    if args.resume and (out / f"{stem}_raw.jsonl").exists():
+        records, done = complete_launches(
+            [json.loads(line) for line in (out / f"{stem}_raw.jsonl").read_text().splitlines()], layouts, args)
+        print(f"resuming: {len(done)} launches kept ({', '.join(f'round {r} {lay}' for r, lay in sorted(done))})")
+    launch = 1 + max((r["launch"] for r in records), default=-1)
     worker_args = argparse.Namespace(quick=False, timeout=args.timeout, nice=args.nice, delay=args.delay)
     with tempfile.TemporaryDirectory(prefix="ssf_layouts_") as tmp:
         for round_ in range(args.rounds):
             for layout in (layouts if round_ % 2 == 0 else layouts[::-1]):
                 nodes, per_node = layout
+                if (round_, label(layout)) in done:
+                    continue
                 runs = build_runs(layout, args, round_)
                 phases = [{"label": args.rate, "runs": runs}]
                 print(f"== round {round_}, layout {label(layout)}: {len(runs)} runs", flush=True)
