@@ -576,7 +576,10 @@ def check_layouts(rows: list[dict], plans: dict[tuple, Workload], choices: dict[
     the same P in the same run (its compression, its overhead and, for DDP's hooks, the hook's
     CPU work, as ``hook_seconds`` measures it). The node-local path of the emulation is the namespace's
     loopback, which is CPU-bound like the unshaped link: the unshaped rate measured at the
-    base P, ``scale`` times slower (``host_scale``). The NIC is the configured rate, one per node."""
+    base P, ``scale`` times slower (``host_scale``). The NIC is the configured rate, one per node.
+    ``auto`` is modelled as everywhere in this module, by its modelled choice for the plan's
+    equal-share buffers; the run's own choices (``choices``, per buffer) are shown beside it but
+    cannot be costed, since the runs do not record each buffer's shape."""
     index = {(r["layout"], r["workload"], r["variant"]): r for r in rows}
     out = []
     for r in rows:
@@ -592,7 +595,7 @@ def check_layouts(rows: list[dict], plans: dict[tuple, Workload], choices: dict[
             continue
         nic, node = (rate_mbit_of(r["rate"]), alpha), (unshaped / scale, alpha)
         layout = Layout(r["nodes"], r["per_node"], 1, node, nic)
-        comm = layout_comm_seconds(model, w, layout, choices.get((r["layout"], r["workload"], r["variant"])))
+        comm = layout_comm_seconds(model, w, layout)
         exposed = exposed_seconds(comm, r["compute_s"], w.buffers)
         if model == "ddp":
             extra = 0.0
@@ -605,8 +608,8 @@ def check_layouts(rows: list[dict], plans: dict[tuple, Workload], choices: dict[
         predicted = r["compute_s"] + extra + exposed
         out.append({
             "layout": r["layout"], "base_layout": flat_label, "rate": r["rate"], "workload": r["workload"],
-            "variant": r["variant"], "model": model if model != "auto" else "auto: " + " ".join(
-                f"{s}:{f:.2f}" for s, f in sorted((choices.get((r["layout"], r["workload"], r["variant"])) or {}).items())),
+            "variant": r["variant"], "model": model if model != "auto" else f"auto -> {auto_choice(w, layout)} (run: " + " ".join(
+                f"{s}:{f:.2f}" for s, f in sorted((choices.get((r["layout"], r["workload"], r["variant"])) or {}).items())) + ")",
             "measured_step_ms": r["step_s"] * 1e3, "predicted_step_ms": predicted * 1e3,
             "step_gap_pct": 100 * (predicted - r["step_s"]) / r["step_s"],
             "measured_exposed_ms": None if r["exposed_s"] is None else r["exposed_s"] * 1e3,

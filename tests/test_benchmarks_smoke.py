@@ -484,8 +484,13 @@ def test_layout_check_predicts_2x2_from_the_flat_run_of_the_same_p():
     for variant, model, extra in (("flat", "allgather", 0.1), ("hier_allgather", "hierarchical:allgather", 0.1),
                                   ("ddp", "ddp", 0.0), ("auto", "auto", 0.45 - 0.2 - 0.15)):
         w = plans[("2x2", "toy", variant)]
-        comm = simulate.layout_comm_seconds(model, w, layout, choices.get(("2x2", "toy", variant)))
+        comm = simulate.layout_comm_seconds(model, w, layout)
         predicted = 0.25 + extra + simulate.exposed_seconds(comm, 0.25, w.buffers)
         assert out[variant]["predicted_step_ms"] == pytest.approx(predicted * 1e3), variant
+    # auto: costed by its modelled choice; the run's per-buffer choices are shown, not costed
+    choice = simulate.auto_choice(sparse, layout)
+    assert out["auto"]["comm_ms"] == pytest.approx(1e3 * simulate.layout_comm_seconds(choice, sparse, layout))
+    assert out["auto"]["model"] == f"auto -> {choice} (run: allgather:0.50 hierarchical:allgather:0.50)"
+    # the run's choices cost like this when given (a share of the plan's equal buffers each)
     half = [simulate.layout_comm_seconds(s, sparse, layout) for s in ("allgather", "hierarchical:allgather")]
-    assert out["auto"]["comm_ms"] == pytest.approx(1e3 * sum(half) / 2)
+    assert simulate.layout_comm_seconds("auto", sparse, layout, choices[("2x2", "toy", "auto")]) == pytest.approx(sum(half) / 2)
