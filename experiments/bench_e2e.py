@@ -102,11 +102,14 @@ def eval_points(steps: int, every: int) -> list[int]:
     return sorted({*range(every, steps, every), steps}) if every > 0 else [steps]
 
 
-def run_world(world: int, phases: list[dict[str, Any]], args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    """One launch of P ranks on the emulated cluster; the host sets each phase's rate."""
+def run_world(world: int, phases: list[dict[str, Any]], args: argparse.Namespace, workdir: Path,
+              ranks_per_node: int = 1) -> list[dict[str, Any]]:
+    """One launch of P ranks on the emulated cluster; the host sets each phase's rate.
+    ``ranks_per_node``: P / that many emulated nodes, each hosting that many ranks (a fast
+    unshaped path between them, one shaped link per node)."""
     from experiments.cluster import EmulatedCluster
 
-    ctl = workdir / f"P{world}"
+    ctl = workdir / (f"P{world}" if ranks_per_node == 1 else f"P{world}x{ranks_per_node}")
     ctl.mkdir(parents=True, exist_ok=True)
     out = ctl / "runs.jsonl"
     spec = {"ctl": str(ctl), "out": str(out), "quick": args.quick, "phases": phases, "phase_timeout": args.timeout,
@@ -122,7 +125,8 @@ def run_world(world: int, phases: list[dict[str, Any]], args: argparse.Namespace
     total = sum(len(p["runs"]) for p in phases)
     print(f"== P={world}: {len(phases)} phases, {total} runs (logs: {ctl / 'logs'})", flush=True)
     started = time.monotonic()
-    with EmulatedCluster(nodes=world, rate=phases[0]["label"], delay=args.delay) as cluster:
+    with EmulatedCluster(nodes=world // ranks_per_node, rate=phases[0]["label"], delay=args.delay,
+                         ranks_per_node=ranks_per_node) as cluster:
         box: dict[str, Any] = {}
         thread = threading.Thread(
             target=lambda: box.setdefault(

@@ -235,7 +235,8 @@ def hierarchical_seconds(cross: str, shape: BufferShape, node: Links, across: Li
     moves the same bytes), the dense stripe all-reduced across nodes, and the sparse stripe's
     nonzeros (1/L of the node's union of L selections) through ``cross`` on the cross-node group.
     The L local ranks cross at once, each with its own stripe on its own NIC: one stripe's time.
-    Sparse partial sums travel in fp32 at least."""
+    Sparse partial sums travel in fp32 at least. A stripe's nonzeros have no bound known in
+    advance, so a cross-node allgather first agrees on the largest count (one more round)."""
     per_node = node.world
     acc = max(shape.value_bytes, 4)
     inside = 0.0
@@ -247,7 +248,10 @@ def hierarchical_seconds(cross: str, shape: BufferShape, node: Links, across: Li
         return seconds
     union = expected_nonzeros(shape.sparse, shape.k, per_node, spread)
     stripe = BufferShape(0, shape.sparse / per_node, union / per_node, acc, shape.index_bytes)
-    return seconds + buffer_seconds(cross, stripe, across, spread)
+    seconds += buffer_seconds(cross, stripe, across, spread)
+    if cross == "allgather" and across.world > 1:  # comm/schemes.py allgather_sum without max_count
+        seconds += across.allgather.message((across.world - 1) * COUNT_BYTES)
+    return seconds
 
 
 def scheme_seconds(
