@@ -15,7 +15,6 @@ per-repeat ratios, their medians and B's median over A's) and <name>.png (the sa
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -24,7 +23,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from experiments.bench_e2e import ENGINE_SCHEMES, REPO, RESULTS
+from experiments.common import REPO, RESULTS, pyplot, read_csv, save_figure, write_csv
+from experiments.e2e_analyze import ENGINE_SCHEMES
 
 FIELDS = ("variant", "options", "revision", "repeat", "world", "workload", "rate", "scheme", "step_ms", "ddp_step_ms", "x_ddp_step")
 
@@ -39,8 +39,7 @@ def run_variant(
         "--engine-options", options, "--out", str(scratch), "--name", name, "--no-report",
     ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=checkout)
-    with open(scratch / f"{name}.csv", newline="") as handle:
-        summary = list(csv.DictReader(handle))
+    summary = read_csv(scratch / f"{name}.csv")
     ddp = {(r["world"], r["workload"], r["rate"]): float(r["step_ms"]) for r in summary if r["scheme"] == "ddp"}
     rows = []
     for r in summary:
@@ -93,11 +92,7 @@ def markdown(rows: list[dict], a: str, b: str) -> str:
 
 
 def plot(rows: list[dict], a: str, b: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = sorted({(r["world"], r["workload"], r["rate"], r["scheme"]) for r in rows})
     fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(keys), 3.6))
     for offset, variant, label, colour in ((-0.18, "A", a, "tab:gray"), (0.18, "B", b, "tab:blue")):
@@ -109,9 +104,7 @@ def plot(rows: list[dict], a: str, b: str, path: Path) -> None:
     ax.set_ylabel("step time / ddp's (same run)")
     ax.set_title("A/B of an engine option: median (bar) and each run (dot); lower is faster", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_outputs(rows: list[dict], out: Path, name: str) -> None:
@@ -136,8 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from-csv", action="store_true", help="only rebuild the table and plot from <out>/<name>.csv")
     args = parser.parse_args(argv)
     if args.from_csv:
-        with open(args.out / f"{args.name}.csv", newline="") as handle:
-            write_outputs(list(csv.DictReader(handle)), args.out, args.name)
+        write_outputs(read_csv(args.out / f"{args.name}.csv"), args.out, args.name)
         return
     if args.a == args.b and args.a_rev == args.b_rev:
         parser.error("A and B are the same: give --b (options) or --a-rev/--b-rev (code) that differ")
@@ -159,10 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                 if checkout != REPO:
                     subprocess.run(["git", "worktree", "remove", "--force", str(checkout)], cwd=REPO, capture_output=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / f"{args.name}.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / f"{args.name}.csv", FIELDS, rows)
     write_outputs(rows, args.out, args.name)
     print((args.out / f"{args.name}.md").read_text())
 

@@ -35,7 +35,6 @@ Writes experiments/results/batched_selection.{csv,md} (or --out DIR) and prints 
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import platform
@@ -46,9 +45,9 @@ from pathlib import Path
 
 import torch
 
+from experiments.common import RESULTS, write_csv
 from ssfusion_lightning.sparsifiers import build_sparsifier
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TOTAL = 1 << 20
 #: the issue's target: select_many within this many abs() passes
 TARGETS = {"topk": 3.0}
@@ -228,10 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, header)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "batched_selection.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "batched_selection.csv", FIELDS, rows)
     (args.out / "batched_selection.md").write_text(table)
     return 0
 

@@ -19,11 +19,9 @@ Writes experiments/results/collectives.{csv,md,png} (or --out DIR).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from experiments.common import RESULTS, free_port, pyplot, save_figure, write_csv
 
 V = 4  # fp32 values
 X = 4  # int32 positions on the wire (every scheme, numel < 2**31)
@@ -73,10 +73,11 @@ def index_sets(pattern: str, world: int, numel: int, k: int, seed: int) -> list[
 def formulas(scheme: str, sets: list[torch.Tensor], numel: int, k: int) -> float:
     """Section 7's bytes received per rank (mean over ranks)."""
     from ssfusion_lightning.comm.sparcml import sparcml_expected_bytes
+    from ssfusion_lightning.commcost import ring_allreduce_bytes
 
     world = len(sets)
     if scheme == "allreduce":
-        return 2 * (world - 1) / world * numel * V
+        return ring_allreduce_bytes(numel * V, world)
     if scheme == "allgather":
         return (world - 1) * k * (V + X)
     if scheme == "zen":
@@ -195,16 +196,10 @@ def _worker(rank: int, world: int, port: int, grid: list[dict], reps: int, resul
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, grid: list[dict], reps: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.json")
-        mp.spawn(_worker, args=(world, _free_port(), grid, reps, path), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), grid, reps, path), nprocs=world, join=True)
         return json.loads(Path(path).read_text())
 
 
@@ -255,10 +250,7 @@ def summary(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     worlds = sorted({r["P"] for r in rows})
     numel = max(r["numel"] for r in rows)
@@ -290,9 +282,7 @@ def plot(rows: list[dict], path: Path) -> None:
         axes[1][col].set_ylabel("bytes received / COO lower bound")
         axes[1][col].axhline(1.0, color="k", lw=0.8)
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS)
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="collectives", help="file stem of the outputs")
     args = parser.parse_args(argv)
     if args.quick:
@@ -322,10 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     for world in args.worlds:
         rows += run_world(world, grid, args.reps)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / f"{args.name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / f"{args.name}.csv", list(rows[0]), rows)
     header = (
         f"# Sparse collectives on gloo (this machine, {os.cpu_count()} CPU cores; ranks are local processes)\n\n"
         f"Grid: P={args.worlds}, numel={args.numels}, density={args.densities}, patterns={args.patterns}, "

@@ -43,8 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,11 +50,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.bench_e2e import COLORS, read_csv, update_report, write_csv
+from experiments.common import (
+    COLORS,
+    REPO,
+    REPORT,
+    free_port,
+    median,
+    num,
+    pyplot,
+    read_csv,
+    results_dir,
+    save_figure,
+    update_report,
+    write_csv,
+)
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RESULTS = HERE / "results"
 STEM = "memory"
 MiB = 1 << 20
 
@@ -260,12 +268,6 @@ def rank_main(spec: dict[str, Any]) -> int:
 
 
 # =========================================================================== the host: one run = 2 fresh ranks
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gpu_count() -> int:
     try:
         done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
@@ -359,17 +361,9 @@ def run_row(record: dict[str, Any]) -> dict[str, Any]:
 
 
 # =========================================================================== summary, table, plot
-def _num(value: Any) -> float | None:
-    return float(value) if value not in ("", None) else None
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def _peak(row: dict[str, str]) -> float | None:
     """The peak of one rank's run: CUDA's max allocated on a GPU, peak RSS on the CPU."""
-    return _num(row["cuda_max_allocated_bytes"]) if row.get("device") == "cuda" else _num(row["peak_rss_bytes"])
+    return num(row["cuda_max_allocated_bytes"]) if row.get("device") == "cuda" else num(row["peak_rss_bytes"])
 
 
 def target_of(scheme: str) -> tuple[str, float | None]:
@@ -394,16 +388,16 @@ def summarize(runs: list[dict[str, str]]) -> list[dict[str, Any]]:
         rank0 = [r for r in mine if int(r["rank"]) == 0]
         reps = sorted({r["rep"] for r in mine})
         max_rank = [max(p for r in mine if r["rep"] == rep and (p := _peak(r)) is not None) for rep in reps]
-        grad = _median([_num(r["grad_bytes"]) for r in rank0])
+        grad = median([num(r["grad_bytes"]) for r in rank0])
         rows[key] = {
             "workload": key[0], "scheme": key[1], "device": mine[0].get("device", "cpu"), "reps": len(rank0),
-            "params": int(_num(rank0[0]["params"])) if rank0 else None, "grad_bytes": grad,
-            "peak": _median([p for r in rank0 if (p := _peak(r)) is not None]),
-            "peak_max_rank": _median(max_rank),
-            "baseline": _median([_num(r["baseline_rss_bytes"]) for r in rank0]),
-            "train_start": _median([_num(r["train_start_rss_bytes"]) for r in rank0]),
-            "end": _median([_num(r["end_rss_bytes"]) for r in rank0]),
-            "state": _median([_num(r["state_bytes"]) or 0.0 for r in rank0]),
+            "params": int(num(rank0[0]["params"])) if rank0 else None, "grad_bytes": grad,
+            "peak": median([p for r in rank0 if (p := _peak(r)) is not None]),
+            "peak_max_rank": median(max_rank),
+            "baseline": median([num(r["baseline_rss_bytes"]) for r in rank0]),
+            "train_start": median([num(r["train_start_rss_bytes"]) for r in rank0]),
+            "end": median([num(r["end_rss_bytes"]) for r in rank0]),
+            "state": median([num(r["state_bytes"]) or 0.0 for r in rank0]),
         }
     for (workload, scheme), row in rows.items():
         ddp = rows.get((workload, "ddp"))
@@ -510,11 +504,7 @@ def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
     rows = [r for r in summary if r["scheme"] != "ddp" and r["extra_x_grad"] is not None]
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     schemes = [s for s in SCHEMES if any(r["scheme"] == s for r in rows)]
     workloads = sorted({r["workload"] for r in rows}, key=_workload_order)
     width = 0.8 / len(workloads)
@@ -550,10 +540,7 @@ def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
     handles.append(plt.Line2D([], [], color="red", linewidth=2, label="target"))
     ax.legend(handles=handles, fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def analyze(out: Path, update: bool, stem: str = STEM) -> str:
@@ -564,7 +551,7 @@ def analyze(out: Path, update: bool, stem: str = STEM) -> str:
     (out / f"{stem}.md").write_text("# Peak memory per scheme against DDP (experiments/bench_memory.py)\n\n" + table)
     plot(summary, out / f"{stem}.png")
     if update and update_report(table, marker=stem.replace("_", "-")):
-        print(f"updated the {stem.replace('_', '-')} block of {HERE / 'REPORT.md'}")
+        print(f"updated the {stem.replace('_', '-')} block of {REPORT}")
     return table
 
 
@@ -595,9 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank_spec:
         return rank_main(json.loads(args.rank_spec))
 
-    out = args.out or (Path(tempfile.gettempdir()) / "ssf_memory_quick" if args.quick else RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
-    update = not args.no_report and not args.quick and out.resolve() == RESULTS.resolve()
+    out, update = results_dir(args, "ssf_memory_quick")
     if args.from_csv:
         print(analyze(out, update, args.name))
         return 0

@@ -26,7 +26,6 @@ Writes experiments/results/sparsifiers.{csv,md,png} (or --out DIR) and prints th
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import platform
@@ -37,9 +36,9 @@ from pathlib import Path
 
 import torch
 
+from experiments.common import RESULTS, pyplot, save_figure, write_csv
 from ssfusion_lightning.sparsifiers import available_sparsifiers, build_sparsifier
 
-RESULTS = Path(__file__).resolve().parent / "results"
 #: sparsifiers with a target of the issue: (max x_abs at N = 2^24, density 0.01 on CPU, min mass)
 TARGETS = {"topk": (5.0, None), "dgc": (3.0, 0.9), "gaussiank": (3.0, 0.9), "threshold_reuse": (3.0, 0.9)}
 FIELDS = [
@@ -195,10 +194,7 @@ def markdown(rows: list[dict], header: str) -> str:
 
 
 def plot(rows: list[dict], path: Path, distribution: str = "normal") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     configs = sorted({(str(r["threads"]), r["numel"], r["density"]) for r in rows})
     names = sorted({r["sparsifier"] for r in rows})
@@ -225,9 +221,7 @@ def plot(rows: list[dict], path: Path, distribution: str = "normal") -> None:
     axes[1].axhline(0.9, color="grey", lw=0.8, ls="--")
     device = rows[0]["device"] if rows else "?"
     fig.suptitle(f"sparsifiers on {device}, fp32, {distribution} input")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,10 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, header)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "sparsifiers.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "sparsifiers.csv", FIELDS, rows)
     (args.out / "sparsifiers.md").write_text(table)
     plot(rows, args.out / "sparsifiers.png", args.distribution)
     return 0

@@ -32,7 +32,20 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from experiments.bench_e2e import RESULTS, _fmt, rate_label, rate_mbit, run_world, update_report, write_csv
+from experiments.bench_e2e import run_world
+from experiments.common import (
+    cell,
+    fmt,
+    pyplot,
+    rate_label,
+    rate_mbit,
+    read_jsonl,
+    results_dir,
+    save_figure,
+    update_report,
+    write_csv,
+    write_jsonl,
+)
 
 DDP_BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd4")
 POWERSGD = ("ddp_powersgd", "ddp_powersgd4")
@@ -176,8 +189,8 @@ def targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _cell(value: Any, fmt: str) -> str:
-    return "-" if value is None or value == "" else fmt.format(value)
+def _dash(value: Any, spec: str) -> str:
+    return cell(value, spec, empty="-")
 
 
 def markdown(table: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
@@ -196,11 +209,11 @@ def markdown(table: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
         ]
         for r in rows:
             lines.append(
-                f"| {r['label']} | {_cell(r['steps_to_target'], '{}')} | {_cell(r['seconds_to_target'], '{:.1f}')} | "
-                f"{_cell(r['x_ddp'], '{:.2f}')} | {_cell(r['x_best_powersgd'], '{:.2f}')} | "
+                f"| {r['label']} | {_dash(r['steps_to_target'], '{}')} | {_dash(r['seconds_to_target'], '{:.1f}')} | "
+                f"{_dash(r['x_ddp'], '{:.2f}')} | {_dash(r['x_best_powersgd'], '{:.2f}')} | "
                 f"{r['final'] * scale:.2f}{unit} | {r['final_minus_ddp'] * scale:+.2f} | {r['acc_minus_ddp']:+.2f} | "
-                f"{_cell(r['worst_gap_from_quarter'], '{:+.2f}')} | "
-                f"{_cell(r['step_ms'], '{:.0f}')} |"
+                f"{_dash(r['worst_gap_from_quarter'], '{:+.2f}')} | "
+                f"{_dash(r['step_ms'], '{:.0f}')} |"
             )
         lines.append("")
     if checks:
@@ -213,11 +226,7 @@ def markdown(table: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
 
 def plot(curve: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
     """Per workload: validation accuracy (loss for the LM) against wall-clock time, one panel per (P, link)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     paths = []
     for workload in sorted({r["workload"] for r in curve}):
         rows = [r for r in curve if r["workload"] == workload]
@@ -242,19 +251,15 @@ def plot(curve: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
             ax.set_title(f"{workload}, P = {world}, link {rate_label(rate)}")
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize=6.5, ncol=2)
-        fig.tight_layout()
-        path = out / f"{stem}_{workload}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out / f"{stem}_{workload}.png"))
     return paths
 
 
 def analyze(runs: list[dict[str, Any]], out: Path, stem: str, update: bool, meta: dict[str, Any]) -> str:
     curve = curve_rows(runs)
-    write_csv(out / f"{stem}_curve.csv", CURVE_FIELDS, [{k: _fmt(v) for k, v in r.items()} for r in curve])
+    write_csv(out / f"{stem}_curve.csv", CURVE_FIELDS, curve, cell=fmt)
     table = time_to_accuracy(curve, runs)
-    write_csv(out / f"{stem}.csv", TTA_FIELDS, [{k: _fmt(v) for k, v in r.items()} for r in table])
+    write_csv(out / f"{stem}.csv", TTA_FIELDS, table, cell=fmt)
     checks = targets(table)
     text = markdown(table, checks)
     failed = [f"{r['workload']} {r['label']} P={r['world']} {r['phase']}" for r in runs if r.get("error")]
@@ -298,11 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     stem = args.name or ("tta_quick" if args.quick else "tta")
-    out = args.out or (Path(tempfile.gettempdir()) / "ssf_tta_quick" if args.quick else RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
-    update = not args.no_report and not args.quick and out.resolve() == RESULTS.resolve()
+    out, update = results_dir(args, "ssf_tta_quick")
     if args.from_raw:
-        runs = [json.loads(line) for line in (out / f"{stem}_raw.jsonl").read_text().splitlines()]
+        runs = read_jsonl(out / f"{stem}_raw.jsonl")
         meta_path = out / f"{stem}_meta.json"
         print(analyze(runs, out, stem, update, json.loads(meta_path.read_text()) if meta_path.exists() else {}))
         return 0
@@ -324,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ssf_tta_") as tmp:
         for world in args.worlds:
             runs += run_world(world, phases, args, Path(tmp))
-            (out / f"{stem}_raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+            write_jsonl(out / f"{stem}_raw.jsonl", runs)
     meta = {"argv": sys.argv[1:] if argv is None else argv, "cpus": os.cpu_count(), "wall_seconds": time.monotonic() - started,
             "worlds": args.worlds, "rates": args.rates, "steps": args.steps, "eval_every": args.eval_every}
     (out / f"{stem}_meta.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -11,8 +11,7 @@ fp32 gradients) with ``buffer_mb=0.25`` for ``STEPS`` steps, so every plan has s
 
 Every call of a ``torch.distributed`` collective or point-to-point function is counted by a
 wrapper, with the group it ran on and its call site: the innermost frame of ssfusion_lightning
-(function and source line) and, for jobs run by a channel, the engine function that submitted
-the job. The call site names its kind: payload (a buffer's dense part, sparse values and
+(function and source line). The call site names its kind: payload (a buffer's dense part, sparse values and
 indices) or control (counts, the non-finite vote, thresholds, region edges, one-off agreements).
 Calls on the default (world) group are not the strategy's rounds: Lightning's logging sync
 (``self.log(..., sync_dist=True)``: a barrier and an all_reduce on gloo) and set-up; they are
@@ -28,10 +27,8 @@ The table is the median over the steady-state steps ``STEADY`` of every column.
 from __future__ import annotations
 
 import argparse
-import csv
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -40,7 +37,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments.common import RESULTS, fmt, free_port, read_csv, write_csv
+
 STEPS = 10
 STEADY = range(6, 10)
 WORLDS = (2, 4)
@@ -82,11 +80,11 @@ RULES: tuple[tuple[str, str | None, str, str], ...] = (
     ("_largest_reaching", None, "control", "oktopk_threshold"),
     ("_all_gather_counts", None, "control", "oktopk_sizes"),
     ("_broadcast_from_rank0", None, "control", "ready_order"),
+    ("_nonfinite_vote", None, "control", "vote"),
+    ("_usage_vote", None, "control", "usage"),
     ("measure_link", None, "control", "link_probe"),
     ("agree", None, "control", "costs"),
 )
-#: jobs of the engine's own control functions, named by the engine function that submitted them
-SUBMITTERS = {"finish": "vote", "_agree_on_usage": "usage"}
 CONTROL_KINDS = (
     "counts",
     "vote",
@@ -136,34 +134,15 @@ class RoundCounter:
         self.step = -1
         self.counts: dict[int, Counter] = {}
         self._lock = threading.Lock()
-        self._local = threading.local()
         self._package = str(Path(__file__).resolve().parents[1] / "ssfusion_lightning")
 
     def install(self) -> None:
         import torch.distributed as dist
 
-        from ssfusion_lightning.comm.channels import Channel
-
         for name in WRAPPED:
             original = getattr(dist, name, None)
             if original is not None:
                 setattr(dist, name, self._wrap(name, original))
-        submit = Channel.submit
-        counter = self
-
-        def labelled_submit(channel: Channel, fn, *args):
-            site = sys._getframe(1).f_code.co_name
-
-            def job(*job_args):
-                counter._local.site = site
-                try:
-                    return fn(*job_args)
-                finally:
-                    counter._local.site = None
-
-            return submit(channel, job, *args)
-
-        Channel.submit = labelled_submit
 
     def _wrap(self, name: str, original):
         def wrapper(*args, **kwargs):
@@ -189,8 +168,6 @@ class RoundCounter:
 
         function = frame.f_code.co_name
         line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-        if function == "_allreduce_max":
-            return "control", SUBMITTERS.get(getattr(self._local, "site", None), "unclassified")
         for rule_function, text, category, kind in RULES:
             if function == rule_function and (text is None or text in line):
                 return category, kind
@@ -283,9 +260,7 @@ def _worker(rank: int, world: int, port: int, names: list[str], out: mp.Queue) -
 
 def count(world: int, names: list[str]) -> dict[str, list[dict[str, Any]]]:
     """Every rank's counts per configuration."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world, port, names, out), daemon=True) for r in range(world)]
@@ -346,25 +321,6 @@ def step_rows(name: str, world: int, result: dict[str, Any]) -> list[dict[str, A
         for step, counts in sorted(result["counts"].items())
         for (category, kind), n in sorted(counts.items())
     ]  # fmt: skip
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _fmt(v) for k, v in row.items()})
 
 
 #: what the table's "after" column removed, and what it leaves (rounds.md, below the table)
@@ -486,13 +442,10 @@ def main(argv: list[str] | None = None) -> None:
                 row = rows_for(name, world, results[name])
                 rows.append(row)
                 steps += step_rows(name, world, results[name][0])
-                print(", ".join(f"{k}={_fmt(v)}" for k, v in row.items() if v not in (0, 0.0)), flush=True)
+                print(", ".join(f"{k}={fmt(v)}" for k, v in row.items() if v not in (0, 0.0)), flush=True)
         suffix = "" if args.label == "after" else "_before"
-        write_csv(args.out / f"rounds{suffix}.csv", rows)
-        with (args.out / f"rounds{suffix}_steps.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=STEP_FIELDS)
-            writer.writeheader()
-            writer.writerows(steps)
+        write_csv(args.out / f"rounds{suffix}.csv", FIELDS, rows, cell=fmt)
+        write_csv(args.out / f"rounds{suffix}_steps.csv", STEP_FIELDS, steps)
     write_report(args.out)
 
 

@@ -5,7 +5,8 @@
 The spec lists phases (one per link rate); each phase lists runs (workload x scheme x repeat).
 Before a phase every rank waits for ``<ctl>/go_<i>`` (the host has set the link rate by then),
 after it rank 0 writes ``<ctl>/done_<i>``, so one process launch covers every rate of a world size.
-Each run is a fresh Lightning ``Trainer(num_nodes=P, devices=1)`` fit of the workload's model with
+Each run is a fresh Lightning ``Trainer(num_nodes=P / L, devices=L)`` fit (L = ``LOCAL_WORLD_SIZE``,
+the emulated cluster's ranks per node, 1 by default) of the workload's model with
 the scheme's strategy; rank 0 appends one JSON line per run to ``spec["out"]``:
 
 - ``step_seconds``: wall time of every optimizer step (start of one batch to the start of the next,
@@ -315,6 +316,8 @@ def plan_summary(engine: Any) -> dict[str, int]:
             "plan_dense_elements": sum(b.dense_numel for b in buffers),
             "plan_sparse_elements": sum(b.sparse_numel for b in buffers),
             "plan_sparse_k": sum(slot.k for b in buffers for slot in b.sparse_slots),
+            # the collective of every buffer where the communicator chose one (comm="auto")
+            "plan_comm": ";".join(str(getattr(b, "comm", "") or "") for b in buffers),
         }
     except AttributeError:  # a changed engine API: the plan is only informative
         return {}
@@ -359,10 +362,12 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
     spec, model, task, datamodule = build_workload(run["workload"], quick, run.get("seed", 0))
     eval_at = tuple(run.get("eval_at") or ())
     recorder = StepRecorder(eval_at, lambda: evaluate(spec, model, datamodule))
+    # the emulated cluster's layout: LOCAL_WORLD_SIZE ranks share each node (its namespace)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=1,
-        num_nodes=world,
+        devices=per_node,
+        num_nodes=world // per_node,
         strategy=make_strategy(run["scheme"], run.get("overrides")),
         max_steps=run["steps"],
         limit_val_batches=0,
@@ -380,6 +385,7 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
     result = {
         **run,
         "world": world,
+        "ranks_per_node": per_node,
         "params": sum(p.numel() for p in model.parameters()),
         "param_tensors": sum(1 for _ in model.parameters()),
         "per_rank_batch": datamodule.batch_size,

@@ -16,7 +16,6 @@ Writes results/<name>.md and .csv (validation loss after each evaluation point).
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments.common import RESULTS, write_csv
 
 
 def topk_with_feedback(params: list[torch.nn.Parameter], residuals: dict[int, torch.Tensor], density: float) -> None:
@@ -108,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                   + f"  ({time.perf_counter() - started:.0f} s)", flush=True)
             rows += [{"optimizer": optimizer, "lr": lr, "density": density or 1.0, "step": s, "val_loss": v} for s, v in curve]
     args.out.mkdir(parents=True, exist_ok=True)
-    with (args.out / f"{args.name}.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / f"{args.name}.csv", list(rows[0]), rows)
     points = sorted({r["step"] for r in rows})
     lines = [
         f"Validation loss (nats per byte) of the byte-level GPT-2 tiny on the Lee corpus, one process, "

@@ -33,15 +33,31 @@ compress and other (lockstep skew and engine overhead: step - compute - compress
 taken from the smallest measured P and kept constant; the link's bandwidth is the configured rate
 at 95% (TCP goodput) and its per-round latency alpha is fitted to the smallest P's measurements.
 
+The emulated cluster runs every rank on one host of ``cores`` cores (the e2e meta's ``cpus``), one
+intra-op thread per rank, so CPU-bound work measured at the base P runs
+``oversubscription(P) / oversubscription(base)`` times slower at P, with oversubscription(P) =
+max(1, P / cores): the check scales compress, other, a DDP hook's own CPU work (``hook_seconds``)
+and the unshaped link's rate by it (``host_scale``). Compute is measured at every P.
+
+Nodes of several ranks (issue 16): a ``Layout`` of nodes x L ranks with ``nics`` NICs per node, a
+node link and ``rings`` parallel rings. Flat ring collectives cross each node boundary once each
+way, at min(node link, NIC x min(rings, nics)); all_to_all and messages send (P-L)/(P-1) of a
+rank's bytes through NICs shared by L/nics ranks; ``hierarchical:<cross>`` is commcost's
+hierarchical_seconds on (node link, NIC x min(1, nics / L)); ``auto`` chooses among all of them.
+``check_layouts`` compares with experiments/bench_layouts.py (2x2 from 4x1 of the same run: one
+NIC per node, gloo's one ring, the namespace's loopback as the node link), and
+``project_layouts`` projects the paper-size models to 1024 ranks, 8 per node (a NIC per rank,
+NCCL's rings on every NIC, a 2.4 Tbit/s node link) with issue 16's target check.
+
 Outputs (--out, default experiments/results): simulate.csv (projection), simulate_check.csv (model
 vs measurement at every measured P: the gap), simulate.md, simulate_scaling.png, simulate_check.png,
-and the block between the simulate markers of experiments/REPORT.md.
+simulate_layouts{.md,.csv,_check.csv,_targets.csv,.png}, and the blocks between the simulate and
+simulate-layouts markers of experiments/REPORT.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import statistics
@@ -51,7 +67,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ssfusion_lightning.commcost import BufferShape, Links, buffer_seconds, choose_scheme
+from experiments.common import read_csv
+from experiments.common import write_rounded_csv as write_csv
+from ssfusion_lightning import commcost
+from ssfusion_lightning.commcost import BufferShape, Links, buffer_seconds, choose_scheme, ring_allreduce_bytes
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -97,10 +116,6 @@ class Workload:
     psgd_payload: float = 0.0  # bytes PowerSGD all-reduces per step (P-independent)
 
 
-def ring(nbytes: float, world: int) -> float:
-    return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
-
-
 def links_for(world: int, rate_mbit: float, alpha: float) -> Links:
     return Links.from_round_latency(world, alpha, rate_mbit * 1e6 / 8 * GOODPUT)
 
@@ -134,11 +149,11 @@ def scheme_bytes(scheme: str, w: Workload, world: int, rate_mbit: float = 10_000
     if world <= 1:
         return 0.0
     if scheme == "ddp":
-        return ring(w.params * V, world)
+        return ring_allreduce_bytes(w.params * V, world)
     if scheme == "ddp_fp16":
-        return ring(w.params * 2, world)
+        return ring_allreduce_bytes(w.params * 2, world)
     if scheme == "ddp_powersgd":
-        return ring(w.psgd_payload, world)
+        return ring_allreduce_bytes(w.psgd_payload, world)
     return engine_seconds(scheme, w, Links.from_round_latency(world, *BYTES_ONLY), links_for(world, rate_mbit, alpha))
 
 
@@ -164,11 +179,6 @@ def exposed_seconds(comm: float, compute: float, buffers: int) -> float:
 
 
 # =========================================================================== inputs
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def _f(value: str | None) -> float | None:
     return float(value) if value not in (None, "") else None
 
@@ -203,7 +213,7 @@ def load_e2e(e2e_dir: Path, stem: str = "e2e") -> tuple[list[dict[str, Any]], di
     for r in summary:
         if r["scheme"] == "ddp_powersgd" and r["bytes_per_step"]:
             world = int(r["world"])
-            psgd[(r["workload"], world)] = float(r["bytes_per_step"]) / (2 * (world - 1) / world)
+            psgd[(r["workload"], world)] = float(r["bytes_per_step"]) / ring_allreduce_bytes(1.0, world)
     for r in runs:
         if r["error"]:
             continue
@@ -273,8 +283,10 @@ def unshaped_rate(rows: list[dict], world: int) -> float:
     return 10_000.0
 
 
-def check(rows: list[dict], plans: dict[tuple, Workload], alpha: float, base_world: int, unshaped: float) -> list[dict]:
-    """Model vs measurement at every measured (P, rate, workload, scheme)."""
+def check(rows: list[dict], plans: dict[tuple, Workload], alpha: float, base_world: int, unshaped: float,
+          cores: int | None = None) -> list[dict]:
+    """Model vs measurement at every measured (P, rate, workload, scheme). ``cores``: the
+    emulation host's cores, for its CPU oversubscription (``host_scale``); None: no scaling."""
     base = {(r["rate"], r["workload"], r["scheme"]): r for r in rows if r["world"] == base_world}
     out = []
     for r in rows:
@@ -284,12 +296,15 @@ def check(rows: list[dict], plans: dict[tuple, Workload], alpha: float, base_wor
         b = base.get((r["rate"], r["workload"], r["scheme"]))
         if w is None or b is None or b["other_s"] is None:
             continue
-        rate = unshaped if r["rate_mbit"] == math.inf else r["rate_mbit"]
+        scale = host_scale(r["world"], base_world, cores) if cores else 1.0
+        rate = unshaped / scale if r["rate_mbit"] == math.inf else r["rate_mbit"]
         comm = comm_seconds(r["scheme"], w, r["world"], rate, alpha)
         exposed = exposed_seconds(comm, r["compute_s"], w.buffers)
         other = b["other_s"] if r["scheme"] not in DDP_LIKE else 0.0
         compress = b["compress_s"] if r["scheme"] not in DDP_LIKE else 0.0
-        predicted = r["compute_s"] + compress + exposed + other
+        if cores and r["scheme"] in DDP_LIKE:
+            compress = hook_seconds(r["scheme"], b, w, base_world, alpha, unshaped)
+        predicted = r["compute_s"] + scale * (compress + other) + exposed
         measured_exposed = r["exposed_s"]
         predicted_bytes = scheme_bytes(r["scheme"], w, r["world"], rate, alpha)
         out.append({
@@ -302,6 +317,304 @@ def check(rows: list[dict], plans: dict[tuple, Workload], alpha: float, base_wor
             "bytes_gap_pct": 100 * (predicted_bytes - r["bytes"]) / r["bytes"] if r["bytes"] else None,
         })
     return out
+
+
+# =========================================================================== the emulation host (issue 16)
+#: cores of the emulation host when the e2e meta does not record them
+HOST_CORES = 2
+
+
+def oversubscription(ranks: int, cores: int, threads: int = 1) -> float:
+    """How many times slower CPU-bound work runs when ``ranks`` processes with ``threads`` busy
+    threads each share ``cores`` cores: 1 while they fit, ranks * threads / cores beyond."""
+    return max(1.0, ranks * threads / max(1, cores))
+
+
+def host_scale(world: int, base_world: int, cores: int) -> float:
+    """The emulated cluster runs every rank on one host (experiments/cluster; one intra-op thread
+    per rank), so CPU-bound work measured at ``base_world`` ranks (the engine's compression and
+    overhead, a DDP hook's compression, the unshaped link, which is the kernel's copy loop) runs
+    this many times slower at ``world`` ranks. Compute is measured at every P (compute_only), so
+    it needs no scaling; the shaped links and the per-round latency are not CPU-bound."""
+    return oversubscription(world, cores) / oversubscription(base_world, cores)
+
+
+def hook_seconds(scheme: str, base_row: dict, w: Workload, base_world: int, alpha: float, unshaped: float) -> float:
+    """The CPU work of a DDP comm hook (fp16 casts, PowerSGD's matrix products and
+    orthogonalization), which the communication model does not hold: the base P's step less
+    its compute and its modelled exposed communication (0 for plain DDP, which has no hook).
+    It is a measurement at the base P, so the hooks' rows there fit by construction."""
+    if scheme == "ddp" or base_row.get("compute_s") is None:
+        return 0.0
+    rate = unshaped if base_row["rate_mbit"] == math.inf else base_row["rate_mbit"]
+    comm = comm_seconds(scheme, w, base_world, rate, alpha)
+    return max(0.0, base_row["step_s"] - base_row["compute_s"] - exposed_seconds(comm, base_row["compute_s"], w.buffers))
+
+
+def e2e_cores(e2e_dir: Path, stem: str) -> int:
+    """The cores of the host that measured ``stem`` (its meta JSON), else HOST_CORES."""
+    path = e2e_dir / f"{stem}_meta.json"
+    try:
+        return int(json.loads(path.read_text()).get("cpus") or HOST_CORES)
+    except (OSError, ValueError):
+        return HOST_CORES
+
+
+# =========================================================================== nodes of several ranks (issue 16)
+#: the projection's nodes: 8 ranks with one NIC each at the link's rate, joined by an NVLink-like
+#: link (A100's NVLink 3: 300 GB/s each way per GPU, 2.4 Tbit/s) with a per-round latency of 5 us;
+#: NCCL runs a ring collective as one ring per NIC (channels), so its rings use every NIC
+PER_NODE = 8
+NODE_LINK = (2_400_000.0, 5e-6)
+LAYOUT_DENSITIES = (0.01, 0.001)
+#: the fixed schemes the engine can run: flat, then hierarchical with each cross-node step
+FLAT_SCHEMES = commcost.SCHEMES
+HIER_SCHEMES = commcost.HIERARCHICAL_SCHEMES
+#: layouts-run variants (experiments/bench_layouts.py) -> the scheme that models them
+LAYOUT_VARIANTS = {"ddp": "ddp", "ddp_powersgd": "ddp_powersgd", "ddp_powersgd4": "ddp_powersgd", "flat": "allgather",
+                   "auto": "auto", **{f"hier_{c}": commcost.HIERARCHICAL + c for c in commcost.SCHEMES}}
+LAYOUT_CHECK_FIELDS = ["layout", "base_layout", "rate", "workload", "variant", "model", "measured_step_ms",
+                       "predicted_step_ms", "step_gap_pct", "measured_exposed_ms", "predicted_exposed_ms", "comm_ms"]
+LAYOUT_FIELDS = ["workload", "density", "link", "rate_mbit", "world", "nodes", "per_node", "scheme", "comm_ms",
+                 "x_dense", "auto_choice"]
+TARGET_FIELDS = ["workload", "density", "link", "world", "auto_ms", "dense_ms", "best_fixed", "best_fixed_ms",
+                 "auto_vs_dense", "auto_vs_best", "never_slower_than_dense", "within_5pct_of_best"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``nodes`` nodes of ``per_node`` ranks with ``nics`` NICs each; ``node`` and ``nic``:
+    (Mbit/s, per-round latency in s) of the intra-node link and of one NIC; ``rings``: the
+    parallel rings a ring collective runs, each crossing the node boundary on its own NIC (NCCL's
+    channels: one per NIC; gloo: one ring)."""
+
+    nodes: int
+    per_node: int
+    nics: int
+    node: tuple[float, float]
+    nic: tuple[float, float]
+    rings: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def ring_rate(self) -> float:
+        """Mbit/s of a flat ring collective per rank: a rank's ring bytes cross the node
+        boundary once per node, spread over min(rings, nics) NICs, and the rest of the ring runs
+        on the node link; one node: the node link."""
+        if self.nodes == 1:
+            return self.node[0]
+        return min(self.node[0], self.nic[0] * max(1, min(self.rings, self.nics)))
+
+
+def _bytes_per_second(rate_mbit: float) -> float:
+    return rate_mbit * 1e6 / 8 * GOODPUT
+
+
+def flat_links(layout: Layout) -> Links:
+    """A flat collective over every rank. Ranks are numbered node-major, so a ring crosses each
+    node boundary once each way: the ring collectives (all-reduce, allgather) run at
+    ``Layout.ring_rate``. all_to_all and point-to-point messages send a share (P-L)/(P-1) of a
+    rank's bytes to other nodes, where L/nics ranks share each NIC, and the rest over the node
+    link, both at once."""
+    world, per_node = layout.world, layout.per_node
+    if layout.nodes == 1:
+        rate, alpha = layout.node
+        return Links.from_round_latency(world, alpha, _bytes_per_second(rate))
+    ring = Links.from_round_latency(world, layout.nic[1], _bytes_per_second(layout.ring_rate))
+    remote = (per_node / layout.nics) * (world - per_node) / (world - 1) / _bytes_per_second(layout.nic[0])
+    local = (per_node - 1) / (world - 1) / _bytes_per_second(layout.node[0])
+    beta = max(remote, local)
+    return Links(world, ring.allreduce, ring.allgather, commcost.Link(ring.alltoall.alpha, beta),
+                 commcost.Link(ring.p2p.alpha, beta))
+
+
+def hierarchy_links(layout: Layout) -> tuple[Links, Links] | None:
+    """(node-local, cross-node) links of the hierarchical sync; None without several nodes of
+    several ranks. Every local rank's cross-node step runs at once: L/nics of them share a NIC."""
+    if layout.nodes <= 1 or layout.per_node <= 1:
+        return None
+    node = Links.from_round_latency(layout.per_node, layout.node[1], _bytes_per_second(layout.node[0]))
+    share = min(1.0, layout.nics / layout.per_node)
+    across = Links.from_round_latency(layout.nodes, layout.nic[1], _bytes_per_second(layout.nic[0]) * share)
+    return node, across
+
+
+def layout_candidates(layout: Layout) -> tuple[str, ...]:
+    """What ``auto`` chooses among on the layout (the hierarchical schemes need several nodes of several ranks)."""
+    return FLAT_SCHEMES + (HIER_SCHEMES if hierarchy_links(layout) else ())
+
+
+def auto_choice(w: Workload, layout: Layout) -> str:
+    """``auto``'s scheme for the plan's (equal) buffers on the layout: commcost.choose_scheme."""
+    return choose_scheme(buffer_shape(w), flat_links(layout), layout_candidates(layout), 1.0, hierarchy_links(layout))
+
+
+def layout_comm_seconds(scheme: str, w: Workload, layout: Layout, choices: dict[str, float] | None = None) -> float:
+    """Communication per step on the layout. DDP's rings: comm_seconds at ``Layout.ring_rate``. The engine's schemes: every buffer under
+    commcost's formulas (flat, or "hierarchical:<cross>"); ``auto`` under its modelled choice, or
+    under the measured run's ``choices`` (scheme -> share of buffers) when given."""
+    if layout.world <= 1:
+        return 0.0
+    if scheme in DDP_LIKE:
+        alpha = layout.nic[1] if layout.nodes > 1 else layout.node[1]
+        return comm_seconds(scheme, w, layout.world, layout.ring_rate, alpha)
+    if scheme == "auto":
+        weights = choices or {auto_choice(w, layout): 1.0}
+    else:
+        weights = {scheme: 1.0}
+    shape, links, hierarchy = buffer_shape(w), flat_links(layout), hierarchy_links(layout)
+    per_buffer = sum(share * commcost.scheme_seconds(s, shape, links, 1.0, hierarchy) for s, share in weights.items())
+    return max(1, w.buffers) * per_buffer
+
+
+def paper_layout(world: int, link: str, per_node: int = PER_NODE) -> Layout:
+    """The projection's cluster: nodes of ``per_node`` ranks (one node below that), a NIC per
+    rank, and NCCL's rings: one per NIC."""
+    rate, alpha = PAPER_LINKS[link]
+    per_node = min(per_node, world)
+    return Layout(world // per_node, per_node, per_node, NODE_LINK, (rate, alpha), rings=per_node)
+
+
+def project_layouts(gpu: dict | None, worlds=WORLDS, densities=LAYOUT_DENSITIES, per_node: int = PER_NODE) -> list[dict]:
+    """Communication per step of the paper-size models on nodes of ``per_node`` ranks, per
+    density and link: dense ring, every fixed scheme (flat and hierarchical) and ``auto``."""
+    out = []
+    for base, *_ in paper_workloads(gpu):
+        for density in densities:
+            w = Workload(base.name, base.params, base.dense_elements, base.sparse_elements,
+                         max(1, int(density * base.sparse_elements)), base.buffers)
+            for link, (rate_mbit, _alpha) in PAPER_LINKS.items():
+                for world in worlds:
+                    layout = paper_layout(world, link, per_node)
+                    dense = layout_comm_seconds("ddp", w, layout)
+                    choice = auto_choice(w, layout)
+                    for scheme in ("ddp", *layout_candidates(layout), "auto"):
+                        comm = layout_comm_seconds(scheme, w, layout)
+                        out.append({
+                            "workload": w.name, "density": density, "link": link, "rate_mbit": rate_mbit, "world": world,
+                            "nodes": layout.nodes, "per_node": layout.per_node, "scheme": scheme, "comm_ms": comm * 1e3,
+                            "x_dense": dense / comm if comm else None, "auto_choice": choice if scheme == "auto" else "",
+                        })
+    return out
+
+
+def layout_targets(rows: list[dict]) -> list[dict]:
+    """Issue 16's target per (workload, density, link, P): auto never slower than the dense ring
+    and never more than 5% slower than the best fixed scheme."""
+    groups: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        groups[(r["workload"], r["density"], r["link"], r["world"])][r["scheme"]] = r["comm_ms"]
+    out = []
+    for (workload, density, link, world), times in groups.items():
+        fixed = {s: t for s, t in times.items() if s not in ("auto",)}
+        best = min(fixed, key=lambda s: (fixed[s], s != "ddp"))
+        auto, dense = times["auto"], times["ddp"]
+        out.append({
+            "workload": workload, "density": density, "link": link, "world": world, "auto_ms": auto, "dense_ms": dense,
+            "best_fixed": best, "best_fixed_ms": fixed[best], "auto_vs_dense": dense / auto if auto else math.inf,
+            "auto_vs_best": fixed[best] / auto if auto else 1.0,
+            "never_slower_than_dense": auto <= dense * (1 + 1e-9),
+            "within_5pct_of_best": auto <= 1.05 * fixed[best] * (1 + 1e-9),
+        })
+    return out
+
+
+# =========================================================================== validation on nodes of several ranks
+def load_layouts(directory: Path, stem: str = "layouts") -> tuple[list[dict], dict[tuple, Workload], dict[tuple, dict[str, float]]]:
+    """experiments/bench_layouts.py's summary rows, the plan of every (layout, workload, variant)
+    (medians over its runs) and, for ``auto``, the share of buffers per chosen scheme."""
+    summary = read_csv(directory / f"{stem}.csv")
+    runs = [r for r in read_csv(directory / f"{stem}_runs.csv") if not r["error"] and r["step_ms"]]
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in runs:
+        groups[(r["layout"], r["workload"], r["variant"])].append(r)
+    plans, choices = {}, {}
+    for key, items in groups.items():
+        med = lambda field: statistics.median(float(r[field]) for r in items if r.get(field))  # noqa: E731
+        params = int(items[0]["params"])
+        if key[2] in DDP_LIKE or key[2] == "ddp_powersgd4":
+            payload = med("hook_payload_bytes") if any(r.get("hook_payload_bytes") for r in items) else 0.0
+            plans[key] = Workload(key[1], params, params, 0, 0, ddp_buckets(params), payload)
+        elif any(r.get("plan_sparse_k") for r in items):
+            dense = int(med("plan_dense_elements"))
+            sent = med("elements_sent") if any(r.get("elements_sent") for r in items) else None
+            k = int(sent) - dense if sent is not None else int(med("plan_sparse_k"))
+            plans[key] = Workload(key[1], params, dense, int(med("plan_sparse_elements")), max(0, k),
+                                  int(med("plan_buffers")))
+        counts: dict[str, int] = defaultdict(int)
+        for r in items:
+            for scheme in filter(None, (r.get("plan_comm") or "").split(";")):
+                counts[scheme] += 1
+        if counts:
+            total = sum(counts.values())
+            choices[key] = {scheme: n / total for scheme, n in counts.items()}
+    rows = []
+    for r in summary:
+        rows.append({
+            "layout": r["layout"], "nodes": int(r["nodes"]), "per_node": int(r["ranks_per_node"]), "rate": r["rate"],
+            "workload": r["workload"], "variant": r["variant"], "step_s": float(r["step_ms"]) / 1e3,
+            "compute_s": _ms(r["compute_ms"]), "compress_s": _ms(r["compress_ms"]) or 0.0,
+            "exposed_s": _ms(r["exposed_ms"]),
+        })
+    return rows, plans, choices
+
+
+def check_layouts(rows: list[dict], plans: dict[tuple, Workload], choices: dict[tuple, dict[str, float]],
+                  alpha: float, unshaped: float, scale: float) -> list[dict]:
+    """Model vs measurement on every layout of several ranks per node, from the flat layout of
+    the same P in the same run (its compression, its overhead and, for DDP's hooks, the hook's
+    CPU work, as ``hook_seconds`` measures it). The node-local path of the emulation is the namespace's
+    loopback, which is CPU-bound like the unshaped link: the unshaped rate measured at the
+    base P, ``scale`` times slower (``host_scale``). The NIC is the configured rate, one per node.
+    ``auto`` is modelled as everywhere in this module, by its modelled choice for the plan's
+    equal-share buffers; the run's own choices (``choices``, per buffer) are shown beside it but
+    cannot be costed, since the runs do not record each buffer's shape."""
+    index = {(r["layout"], r["workload"], r["variant"]): r for r in rows}
+    out = []
+    for r in rows:
+        model = LAYOUT_VARIANTS.get(r["variant"])
+        if r["per_node"] <= 1 or model is None or r["compute_s"] is None:
+            continue
+        world = r["nodes"] * r["per_node"]
+        flat_label = f"{world}x1"
+        base_variant = "flat" if r["variant"].startswith("hier_") else r["variant"]
+        b = index.get((flat_label, r["workload"], base_variant))
+        w = plans.get((r["layout"], r["workload"], r["variant"]))
+        if b is None or w is None or b["compute_s"] is None:
+            continue
+        nic, node = (rate_mbit_of(r["rate"]), alpha), (unshaped / scale, alpha)
+        layout = Layout(r["nodes"], r["per_node"], 1, node, nic)
+        comm = layout_comm_seconds(model, w, layout)
+        exposed = exposed_seconds(comm, r["compute_s"], w.buffers)
+        if model == "ddp":
+            extra = 0.0
+        elif model in DDP_LIKE:  # the hook's CPU work: the flat run's step less compute and modelled comm
+            bw = plans.get((flat_label, r["workload"], r["variant"]), w)
+            base_comm = layout_comm_seconds(model, bw, Layout(world, 1, 1, node, nic))
+            extra = max(0.0, b["step_s"] - b["compute_s"] - exposed_seconds(base_comm, b["compute_s"], bw.buffers))
+        else:  # compression and overhead: the flat run's step less compute and its measured exposed comm
+            extra = b["step_s"] - b["compute_s"] - (b["exposed_s"] or 0.0)
+        predicted = r["compute_s"] + extra + exposed
+        out.append({
+            "layout": r["layout"], "base_layout": flat_label, "rate": r["rate"], "workload": r["workload"],
+            "variant": r["variant"], "model": model if model != "auto" else f"auto -> {auto_choice(w, layout)} (run: " + " ".join(
+                f"{s}:{f:.2f}" for s, f in sorted((choices.get((r["layout"], r["workload"], r["variant"])) or {}).items())) + ")",
+            "measured_step_ms": r["step_s"] * 1e3, "predicted_step_ms": predicted * 1e3,
+            "step_gap_pct": 100 * (predicted - r["step_s"]) / r["step_s"],
+            "measured_exposed_ms": None if r["exposed_s"] is None else r["exposed_s"] * 1e3,
+            "predicted_exposed_ms": exposed * 1e3, "comm_ms": comm * 1e3,
+        })
+    return out
+
+
+def rate_mbit_of(rate: str) -> float:
+    """A tc rate label in Mbit/s."""
+    from experiments.cluster.units import parse_rate
+
+    return parse_rate(rate) / 1e6
 
 
 # =========================================================================== projections
@@ -399,22 +712,6 @@ def project_paper(gpu: dict | None, worlds=WORLDS) -> list[dict]:
 
 
 # =========================================================================== outputs
-def _fmt(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return "inf" if value == math.inf else f"{value:.6g}"
-    return str(value)
-
-
-def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _fmt(row.get(k)) for k in fields})
-
-
 def claims(projection: list[dict]) -> list[dict[str, Any]]:
     """Communication-time ratios of the paper-size models at the published scales: ZEN at 16
     machines versus the best prior sparse scheme (allgather, SparCML), Ok-Topk at 256 versus the
@@ -565,7 +862,7 @@ def plot(check_rows: list[dict], projection: list[dict], out: Path) -> None:
 
 
 def update_report(block: str, path: Path = REPORT) -> bool:
-    from experiments.bench_e2e import update_report as update
+    from experiments.common import update_report as update
 
     return update(block, marker="simulate", path=path)
 
@@ -580,6 +877,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-paper", action="store_true", help="skip the paper-size projection")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-report", action="store_true")
+    parser.add_argument("--host-cores", type=int, default=None,
+                        help="cores of the emulation host (default: the e2e meta's cpus, else 2); 0: no oversubscription model")
+    parser.add_argument("--layouts", default="layouts",
+                        help="stem of experiments/bench_layouts.py's CSVs in --e2e (nodes of several ranks); '' to skip")
+    parser.add_argument("--per-node", type=int, default=PER_NODE, help="ranks per node of the layout projection")
     args = parser.parse_args(argv)
 
     rows, plans = load_e2e(args.e2e, args.stem)
@@ -590,7 +892,8 @@ def main(argv: list[str] | None = None) -> int:
     base_world = worlds_measured[0]
     alpha = args.alpha if args.alpha is not None else fit_alpha(rows, plans, base_world)
     unshaped = unshaped_rate(rows, base_world)
-    check_rows = check(rows, plans, alpha, base_world, unshaped)
+    cores = e2e_cores(args.e2e, args.stem) if args.host_cores is None else args.host_cores
+    check_rows = check(rows, plans, alpha, base_world, unshaped, cores=cores or None)
     projection = project_twins(rows, plans, alpha, base_world, unshaped, args.worlds)
     gpu = None
     default_gpu = HERE / "gpu" / "results" / "gpu_cuda.json"
@@ -611,7 +914,150 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_report and args.out.resolve() == RESULTS.resolve() and update_report(text):
         print(f"updated the simulate block of {REPORT}")
     print(text)
+    layout_text = run_layouts(args, alpha, base_world, unshaped, cores, gpu, check_rows)
+    if layout_text:
+        print(layout_text)
     return 0
+
+
+def run_layouts(args: argparse.Namespace, alpha: float, base_world: int, unshaped: float, cores: int,
+                gpu: dict | None, check_rows: list[dict]) -> str:
+    """Nodes of several ranks: the check against experiments/bench_layouts.py's measurements (when
+    present) and the projection of the paper-size models; writes simulate_layouts* and the
+    simulate-layouts block of REPORT.md."""
+    layout_check: list[dict] = []
+    layouts_csv = args.e2e / f"{args.layouts}.csv" if args.layouts else None
+    if layouts_csv is not None and layouts_csv.exists():
+        lrows, lplans, lchoices = load_layouts(args.e2e, args.layouts)
+        worlds = {r["nodes"] * r["per_node"] for r in lrows}
+        scale = host_scale(max(worlds), base_world, cores) if cores and worlds else 1.0
+        layout_check = check_layouts(lrows, lplans, lchoices, alpha, unshaped, scale)
+    projection = [] if args.no_paper else project_layouts(gpu, args.worlds, per_node=args.per_node)
+    targets = layout_targets(projection)
+    if not layout_check and not projection:
+        return ""
+    write_csv(args.out / "simulate_layouts_check.csv", LAYOUT_CHECK_FIELDS, layout_check)
+    write_csv(args.out / "simulate_layouts.csv", LAYOUT_FIELDS, projection)
+    write_csv(args.out / "simulate_layouts_targets.csv", TARGET_FIELDS, targets)
+    text = layouts_markdown(check_rows, layout_check, projection, targets, alpha, cores, unshaped, args.per_node)
+    (args.out / "simulate_layouts.md").write_text("# Cost model on nodes of several ranks\n\n" + text + "\n")
+    plot_layouts(projection, layout_check, args.out / "simulate_layouts.png")
+    if not args.no_report and args.out.resolve() == RESULTS.resolve():
+        from experiments.bench_e2e import update_report as update
+
+        if update(text, marker="simulate-layouts"):
+            print(f"updated the simulate-layouts block of {REPORT}")
+    return text
+
+
+def _gap_stats(rows: list[dict]) -> tuple[int, float, float, dict]:
+    gaps = sorted(abs(r["step_gap_pct"]) for r in rows)
+    worst = max(rows, key=lambda r: abs(r["step_gap_pct"]))
+    return len(gaps), statistics.median(gaps), gaps[int(0.9 * (len(gaps) - 1))], worst
+
+
+def layouts_markdown(check_rows: list[dict], layout_check: list[dict], projection: list[dict], targets: list[dict],
+                     alpha: float, cores: int, unshaped: float, per_node: int) -> str:
+    lines = [f"Validation: modelled against measured step time, per-round latency alpha = {alpha * 1e6:.0f} us, "
+             f"host of {cores or 'unmodelled'} cores (CPU-bound terms scaled by the oversubscription ranks / cores "
+             f"relative to the base P), unshaped link and node-local path {unshaped:.0f} Mbit/s at the base P.", "",
+             "| measured | cases | median abs step gap | p90 abs step gap | worst (case) |", "|---|---:|---:|---:|---|"]
+    by_world = defaultdict(list)
+    for r in check_rows:
+        by_world[f"P = {r['world']} (e2e)"].append(r)
+    for r in layout_check:
+        by_world[f"{r['layout']} (layouts, from {r['base_layout']})"].append(r)
+    for name, items in by_world.items():
+        n, median, p90, worst = _gap_stats(items)
+        what = worst.get("scheme") or worst.get("variant")
+        lines.append(f"| {name} | {n} | {median:.1f}% | {p90:.1f}% | {worst['step_gap_pct']:+.0f}% ({what}, "
+                     f"{worst['workload']}, {worst['rate']}) |")
+    if layout_check:
+        lines += ["", "| layout | workload | variant | model | measured ms | modelled ms | gap | modelled comm ms |",
+                  "|---|---|---|---|---:|---:|---:|---:|"]
+        for r in layout_check:
+            lines.append(f"| {r['layout']} | {r['workload']} | {r['variant']} | {r['model']} | {r['measured_step_ms']:.0f} | "
+                         f"{r['predicted_step_ms']:.0f} | {r['step_gap_pct']:+.0f}% | {r['comm_ms']:.1f} |")
+    if targets:
+        ok_dense = sum(t["never_slower_than_dense"] for t in targets)
+        ok_best = sum(t["within_5pct_of_best"] for t in targets)
+        worst_dense = min(targets, key=lambda t: t["auto_vs_dense"])
+        worst_best = min(targets, key=lambda t: t["auto_vs_best"])
+        node_rate, node_alpha = NODE_LINK
+        lines += ["", f"Projection: paper-size models, nodes of {per_node} ranks (one node below that) with one NIC per "
+                  f"rank at the link rate and a {node_rate / 1e6:g} Tbit/s node link ({node_alpha * 1e6:g} us per round), "
+                  f"1-D tensors dense and the rest at the density, independent selections, communication time per "
+                  f"step (no overlap). auto decides per buffer with commcost.choose_scheme among the flat and "
+                  f"hierarchical schemes, the formulas this projection evaluates, so these checks test the candidate "
+                  f"sets and the layouts, not the model.", "",
+                  f"- auto never slower than the dense ring: {ok_dense}/{len(targets)} cases (worst: "
+                  f"{worst_dense['auto_vs_dense']:.2f}x dense, {worst_dense['workload']} {worst_dense['density']:g} "
+                  f"{worst_dense['link']} P = {worst_dense['world']}).",
+                  f"- auto within 5% of the best fixed scheme: {ok_best}/{len(targets)} cases (worst: "
+                  f"{worst_best['auto_vs_best']:.3f}x, {worst_best['workload']} {worst_best['density']:g} "
+                  f"{worst_best['link']} P = {worst_best['world']}).", "",
+                  "Communication ms per step (x dense ring) and auto's choice:", "",
+                  "| workload | density | link | " + " | ".join(f"P={p}" for p in (8, 64, 256, 1024)) + " |",
+                  "|---|---:|---|" + "---|" * 4]
+        index = {(r["workload"], r["density"], r["link"], r["world"], r["scheme"]): r for r in projection}
+        for workload in sorted({r["workload"] for r in projection}):
+            for density in LAYOUT_DENSITIES:
+                for link in PAPER_LINKS:
+                    cells = []
+                    for p in (8, 64, 256, 1024):
+                        a = index.get((workload, density, link, p, "auto"))
+                        cells.append("" if a is None else f"{a['comm_ms']:.1f} ({a['x_dense']:.2f}x, {a['auto_choice']})")
+                    lines.append(f"| {workload} | {density:g} | {link} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_layouts(projection: list[dict], layout_check: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in projection})
+    panels = [(w, d) for w in workloads for d in LAYOUT_DENSITIES]
+    ncols = len(panels) + (1 if layout_check else 0)
+    if not ncols:
+        return
+    fig, axes = plt.subplots(1, ncols, figsize=(4.6 * ncols, 4.2), squeeze=False)
+    shown = ("ddp", "allgather", "zen", "sparcml", "oktopk", "hierarchical:allgather", "hierarchical:sparcml",
+             "hierarchical:oktopk", "auto")
+    for col, (workload, density) in enumerate(panels):
+        ax = axes[0][col]
+        for scheme in shown:
+            pts = sorted((r["world"], r["comm_ms"]) for r in projection if (r["workload"], r["density"], r["link"], r["scheme"])
+                         == (workload, density, "25gbit", scheme))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=scheme.replace("hierarchical:", "hier:"),
+                        linewidth=2.8 if scheme == "auto" else 1.2, linestyle="--" if scheme.startswith("hier") else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{workload}, {density:g}, 25 Gbit/s, {PER_NODE}/node")
+        ax.set_xlabel("ranks P")
+        ax.set_ylabel("comm ms per step")
+        ax.grid(alpha=0.3)
+    if panels:
+        axes[0][0].legend(fontsize=6)
+    if layout_check:
+        ax = axes[0][-1]
+        for r in layout_check:
+            ax.scatter(r["measured_step_ms"], r["predicted_step_ms"], alpha=0.8)
+            ax.annotate(f"{r['variant']} {r['workload']}", (r["measured_step_ms"], r["predicted_step_ms"]), fontsize=6)
+        lo = min(min(r["measured_step_ms"], r["predicted_step_ms"]) for r in layout_check) * 0.8
+        hi = max(max(r["measured_step_ms"], r["predicted_step_ms"]) for r in layout_check) * 1.2
+        ax.plot([lo, hi], [lo, hi], "k--", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured step (ms)")
+        ax.set_ylabel("modelled step (ms)")
+        ax.set_title("2 ranks per node: model vs emulation")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ Outputs under --out (default experiments/results):
   (ms from the earliest rank's backward begin): the backward (begin_backward() to finish()),
   compression (select, pack, launch) on the main thread and on the offload worker, each process
   group's collectives, and the main thread's waits and gradient writes; colour = buffer;
-- ``timeline_<scheme>.json``: the events (fields of ``ssfusion_lightning.engine.timeline.Event``);
+- ``timeline_<scheme>.json``: the events (fields of ``ssfusion_lightning.timeline.Event``);
   ``chrome_trace([Event(**e) for e in run["events"]])`` turns a run's into a Chrome trace;
 - ``timeline.md``: per run and rank, per buffer the launch and the collectives' start and end
   relative to the backward's end (negative: before it), the communication overlapped with the
@@ -34,14 +34,12 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+from experiments.common import RESULTS, free_port, pyplot, save_figure
 
 #: SSFusionStrategy overrides of the ssfusion preset per scheme
 SCHEMES: dict[str, dict[str, Any]] = {
@@ -96,17 +94,11 @@ def record_run(run: dict[str, Any], world: int) -> dict[str, Any]:
     return {"plan": plan, "events": events}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(runs: list[dict[str, Any]], world: int, timeout: float) -> list[dict[str, Any]]:
     """Start ``world`` rank processes for the runs; returns one record per (run, rank)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, runs, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -224,10 +216,7 @@ def _row(event: dict[str, Any]) -> str | None:
 
 
 def plot(records: list[dict[str, Any]], scheme: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in records)]
@@ -271,9 +260,7 @@ def plot(records: list[dict[str, Any]], scheme: str, path: Path) -> None:
                     Patch(facecolor="white", edgecolor="k", hatch="//", label="launch / write")]
         ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _row_key(row: str) -> tuple[int, str]:

@@ -38,8 +38,11 @@ EXACT_SCHEMES = ("allreduce", "allgather", "zen", "sparcml")
 #: "hierarchical:<scheme>": the hierarchical sync with <scheme> as its cross-node step
 HIERARCHICAL = "hierarchical:"
 HIERARCHICAL_SCHEMES = tuple(HIERARCHICAL + scheme for scheme in SCHEMES)
-#: counts and headers travel as int64
+#: counts and message headers travel as int64
 COUNT_BYTES = 8
+#: positions travel as int32 in any buffer of fewer than 2**31 elements (comm/schemes.py's
+#: ``wire_index_dtype``; ``index_bytes`` there gives 8 for a larger tensor)
+POSITION_BYTES = 4
 #: Ok-Topk's reused-threshold grid (see comm/oktopk.py): one count per grid step and rank
 OKTOPK_GRID = 24
 OKTOPK_THRESHOLD_EVERY = 32
@@ -102,7 +105,7 @@ class BufferShape:
     sparse: int
     k: int
     value_bytes: int = 4
-    index_bytes: int = 4
+    index_bytes: int = POSITION_BYTES
 
     @property
     def pair(self) -> int:
@@ -139,10 +142,15 @@ def measured_spread(samples: Sequence[tuple[int, int, float]], world: int) -> fl
     return min(1.0, max(0.0, gained / possible))
 
 
+def ring_allreduce_bytes(nbytes: float, world: int) -> float:
+    """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes`` on ``world`` ranks:
+    2(P-1)/P of them (a reduce-scatter, then an allgather). Exact for integer inputs up to 2**53."""
+    return 2 * (world - 1) * nbytes / world if world > 1 else 0.0
+
+
 def dense_seconds(numel: int, value_bytes: int, links: Links) -> float:
     """Ring all-reduce of ``numel`` elements."""
-    p = links.world
-    return links.allreduce.seconds(2 * (p - 1) / p * numel * value_bytes) if p > 1 else 0.0
+    return links.allreduce.seconds(ring_allreduce_bytes(numel * value_bytes, links.world))
 
 
 def zen_seconds(shape: BufferShape, links: Links, nonzeros: float) -> float:
@@ -227,7 +235,8 @@ def hierarchical_seconds(cross: str, shape: BufferShape, node: Links, across: Li
     moves the same bytes), the dense stripe all-reduced across nodes, and the sparse stripe's
     nonzeros (1/L of the node's union of L selections) through ``cross`` on the cross-node group.
     The L local ranks cross at once, each with its own stripe on its own NIC: one stripe's time.
-    Sparse partial sums travel in fp32 at least."""
+    Sparse partial sums travel in fp32 at least. A stripe's nonzeros have no bound known in
+    advance, so a cross-node allgather first agrees on the largest count (one more round)."""
     per_node = node.world
     acc = max(shape.value_bytes, 4)
     inside = 0.0
@@ -239,7 +248,10 @@ def hierarchical_seconds(cross: str, shape: BufferShape, node: Links, across: Li
         return seconds
     union = expected_nonzeros(shape.sparse, shape.k, per_node, spread)
     stripe = BufferShape(0, shape.sparse / per_node, union / per_node, acc, shape.index_bytes)
-    return seconds + buffer_seconds(cross, stripe, across, spread)
+    seconds += buffer_seconds(cross, stripe, across, spread)
+    if cross == "allgather" and across.world > 1:  # comm/schemes.py allgather_sum without max_count
+        seconds += across.allgather.message((across.world - 1) * COUNT_BYTES)
+    return seconds
 
 
 def scheme_seconds(

@@ -8,16 +8,15 @@ so every rank computes the same plan. No per-model tables, no model-name rules.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from ssfusion_lightning.commcost import Link
-
-#: the allgather scheme sends positions as int32 (every fusion buffer has < 2**31 elements)
-INDEX_BYTES = 4
+from ssfusion_lightning.commcost import POSITION_BYTES, Link, ring_allreduce_bytes
 
 
 @dataclass(frozen=True)
@@ -40,19 +39,22 @@ class CostProfile:
     #: the defaults until measured)
     node_link: Link = Link(50e-6, 1e-9)
     cross_link: Link = Link(50e-6, 1e-9)
+    #: the share of another thread's CPU work that delays the main thread (``measure_serial_cpu``):
+    #: 0 with a free core beside the backward, 1 with one core per rank, where an offloaded
+    #: selection or a channel thread's collective is taken from the backward
+    serial_cpu: float = 0.0
 
     def compress_seconds(self, numel: int) -> float:
         return self.compress_fixed + self.compress_per_element * numel
 
     def dense_seconds(self, numel: int, element_size: int) -> float:
         """Ring allreduce of ``numel`` elements: the link moves 2(P-1)/P of the bytes."""
-        p = self.world_size
-        return self.allreduce.seconds(2 * (p - 1) / p * numel * element_size) if p > 1 else 0.0
+        return self.allreduce.seconds(ring_allreduce_bytes(numel * element_size, self.world_size))
 
     def sparse_seconds(self, count: int, element_size: int) -> float:
-        """Allgather of ``count`` (value, index) pairs per rank: (P-1) * count pairs arrive."""
+        """Allgather of ``count`` (value, position) pairs per rank: (P-1) * count pairs arrive."""
         p = self.world_size
-        return self.allgather.seconds((p - 1) * count * (element_size + INDEX_BYTES)) if p > 1 else 0.0
+        return self.allgather.seconds((p - 1) * count * (element_size + POSITION_BYTES)) if p > 1 else 0.0
 
     def backward_seconds(self, name: str) -> float:
         return self.backward.get(name, 0.0)
@@ -134,11 +136,42 @@ def measure_link(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             samples.append(time.perf_counter() - start)
-        moved = 2 * (world - 1) / world * nbytes if collective == "allreduce" else (world - 1) * nbytes
+        moved = ring_allreduce_bytes(nbytes, world) if collective == "allreduce" else (world - 1) * nbytes
         xs.append(moved)
         ys.append(sorted(samples)[len(samples) // 2])
     alpha, beta = fit_line(xs, ys)
     return Link(alpha, beta)
+
+
+def measure_serial_cpu(work_elements: int = 1 << 18, repeats: int = 5) -> float:
+    """The share of a second thread's CPU work that delays this thread: the same torch work (which
+    releases the GIL) timed alone and then on two threads at once. 0 when the second thread ran on
+    a free core, 1 when the two took turns on one. Every rank measures at the same moment, so ranks
+    that share a host's cores see each other's load, as they do while training."""
+    # not torch.randn: the probe runs beside training and must not draw from the global generator
+    source = torch.linspace(-1.0, 1.0, work_elements)
+    # one output per thread: writing one shared tensor from two cores would pass its cache lines
+    # back and forth, and a free core would look busy
+    outs = (torch.empty_like(source), torch.empty_like(source))
+
+    def work(out: Tensor) -> None:
+        for _ in range(8):
+            torch.abs(source, out=out)
+
+    shares = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssfusion-cpu-probe") as pool:
+        pool.submit(work, outs[1]).result()  # the thread exists before anything is timed
+        for _ in range(repeats):
+            started = time.perf_counter()
+            work(outs[0])
+            alone = time.perf_counter() - started
+            started = time.perf_counter()
+            beside = pool.submit(work, outs[1])
+            work(outs[0])
+            beside.result()
+            together = time.perf_counter() - started
+            shares.append(min(1.0, max(0.0, together / max(alone, 1e-9) - 1.0)))
+    return sorted(shares)[len(shares) // 2]
 
 
 def agree(
@@ -149,14 +182,16 @@ def agree(
     group: dist.ProcessGroup | None,
     device: torch.device,
     selection_spread: float = 1.0,
+    serial_cpu: float = 0.0,
 ) -> CostProfile:
     """Elementwise max over ranks of every measured number, so all ranks hold the same profile
-    (for the selections' spread the max is the cautious side: more nonzeros in the sums).
+    (for the selections' spread and the serial CPU share the max is the cautious side: more
+    nonzeros in the sums, less work hidden on other threads).
     ``links`` holds "allreduce" and "allgather", and "node" and "cross" on hierarchical layouts."""
     defaults = CostProfile()
     node, cross = links.get("node", defaults.node_link), links.get("cross", defaults.cross_link)
     values = local + [links["allreduce"].alpha, links["allreduce"].beta, links["allgather"].alpha, links["allgather"].beta]
-    values += [selection_spread, node.alpha, node.beta, cross.alpha, cross.beta]
+    values += [selection_spread, node.alpha, node.beta, cross.alpha, cross.beta, serial_cpu]
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -172,6 +207,7 @@ def agree(
         selection_spread=agreed[n + 7],
         node_link=Link(agreed[n + 8], agreed[n + 9]),
         cross_link=Link(agreed[n + 10], agreed[n + 11]),
+        serial_cpu=agreed[n + 12],
         world_size=world_size,
         measured=True,
     )

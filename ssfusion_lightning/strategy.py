@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.comm.topology import Hierarchy, create_hierarchy
@@ -36,12 +37,12 @@ from ssfusion_lightning.engine.errors import CommunicationError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.state import CHECKPOINT_KEY, ResumeChanges, gather_to_rank0, plain, resume_changes
 from ssfusion_lightning.engine.state import FORMAT as ENGINE_STATE_FORMAT
-from ssfusion_lightning.engine.timeline import Timeline
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, validate_density
 from ssfusion_lightning.sparsifiers.memory import DGCMemory
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
+from ssfusion_lightning.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class SSFusionStrategy(DDPStrategy):
             process_group_backend: as DDP's; the Trainer passes them.
         timeline: record this rank's engine phases per buffer (compression, launch, collectives,
             waits) in ``strategy.timeline`` from the start (``strategy.timeline.enable()`` does it
-            at any time); see ``ssfusion_lightning/engine/timeline.py``. Recording never changes
+            at any time); see ``ssfusion_lightning/timeline.py``. Recording never changes
             what is sent, so ranks may differ here.
     """
 
@@ -285,12 +286,14 @@ class SSFusionStrategy(DDPStrategy):
 
     # ------------------------------------------------------------ registration
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         for name, (description, kwargs) in SYSTEM_PRESETS.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **kwargs)
 
     # ------------------------------------------------------------ lifecycle
+    @override
     def _configure_launcher(self) -> None:
         # The Trainer calls this once it has chosen the accelerator and devices and before it
         # launches any rank: the earliest point where the offload mode can be checked against them.
@@ -302,6 +305,7 @@ class SSFusionStrategy(DDPStrategy):
             )
         super()._configure_launcher()
 
+    @override
     def configure_ddp(self) -> None:
         """Replace DDP's wrapper by the fusion engine: same starting point on all ranks, own groups, hooks."""
         assert self.model is not None
@@ -403,6 +407,7 @@ class SSFusionStrategy(DDPStrategy):
             for _ in range(self.process_groups)
         ]
 
+    @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         memory = self.engine.memory if self.engine is not None else None
@@ -411,6 +416,7 @@ class SSFusionStrategy(DDPStrategy):
             if taken is not None:
                 log.info("ssfusion: memory='dgc' applies the optimizer's momentum %s (momentum correction); the optimizer's is now 0", taken)
 
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.engine is not None and self.density_warmup_epochs:
@@ -440,6 +446,7 @@ class SSFusionStrategy(DDPStrategy):
         backend = self._get_process_group_backend()
         return [create_hierarchy(self.global_rank, self.world_size, per_node, backend, self._timeout) for _ in range(channels)]
 
+    @override
     def teardown(self) -> None:
         if self.engine is not None:
             # trainer.save_checkpoint() after fit() must still carry every rank's engine state
@@ -453,6 +460,7 @@ class SSFusionStrategy(DDPStrategy):
 
     # ------------------------------------------------------------ training step
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: no communication on the non-final micro-batches."""
         if self.engine is None:
@@ -464,10 +472,12 @@ class SSFusionStrategy(DDPStrategy):
         finally:
             self.engine.sync_enabled = True
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any):
         self._sync_buffers_before_forward()
         return super().training_step(*args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any):
         self._sync_buffers_before_forward()
         return super().validation_step(*args, **kwargs)
@@ -482,16 +492,19 @@ class SSFusionStrategy(DDPStrategy):
                 dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 1024 * 1024, 0)
         self._buffers_due = torch.is_grad_enabled() and self.engine.sync_enabled
 
+    @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is not None:
             self.engine.begin_backward()
 
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is None or not self.engine.sync_enabled:
             return
         self.last_metrics = self.engine.finish()
         self._log_metrics(self.last_metrics)
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the step in a communication failure raised by a collective outside the engine (e.g.
         ``self.log(..., sync_dist=True)`` on the default group when a peer is gone). The engine's own
@@ -516,6 +529,7 @@ class SSFusionStrategy(DDPStrategy):
             logger.log_metrics(values, step=trainer.global_step)
 
     # ------------------------------------------------------------ checkpoints
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Runs on every rank: gather each rank's engine state into rank 0's checkpoint, as tensors
         and plain values only (see ``engine/state.py``), so the file loads with torch's safe default."""
@@ -532,6 +546,7 @@ class SSFusionStrategy(DDPStrategy):
                 checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "config": self.engine_config(), "ranks": gathered}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -582,6 +597,7 @@ class SSFusionStrategy(DDPStrategy):
         self.engine.load_state_dict(ranks[self.global_rank], replan=changes.replan, fresh=changes.fresh)
 
     # ------------------------------------------------------------ spawn launcher
+    @override
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["engine"] = None

@@ -8,7 +8,6 @@ share a process group (a Trainer with ``devices=<world size>`` then joins that g
 from __future__ import annotations
 
 import json
-import logging
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,8 +30,6 @@ from ssfusion_lightning.app.builders import (
 )
 from ssfusion_lightning.app.callbacks import CommunicationStats, ResultsWriter, SamplesPerSecond, write_json
 from ssfusion_lightning.app.validation import ConfigError, check_loggers, check_trainer
-
-log = logging.getLogger(__name__)
 
 
 def build_trainer(

@@ -8,6 +8,7 @@ A task that hangs past its timeout kills the pool; the next ``run`` starts a fre
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -24,6 +25,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    # a crash in native code (a segfault, glibc's heap checks) then prints every thread's Python
+    # stack to the test log, instead of only "rank died"
+    faulthandler.enable(all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -15,7 +15,6 @@ from torch import nn
 
 import ssfusion_lightning as ssf
 from ssfusion_lightning.costmodel import CostProfile, Link
-from ssfusion_lightning.engine.plan import ParamSpec, cut_by_bytes
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.fusion.cut import (
     DDP_BUFFER_BYTES,
@@ -25,6 +24,7 @@ from ssfusion_lightning.fusion.cut import (
     modelled_finish,
 )
 from ssfusion_lightning.sparsifiers import build_sparsifier
+from ssfusion_lightning.vocabulary import ParamSpec, cut_by_bytes
 
 
 def specs(sizes, dtypes=None):
@@ -102,6 +102,34 @@ def test_buffer_overhead_merges_buffers():
     params = specs([1 << 20] * 12)
     costs = dataclasses.replace(costs_for(params, backward=10e-3, alpha=1e-4, beta=2e-7), buffer_overhead=200e-3)
     assert len(cut_by_cost(params, costs, *SPARSE)) == 1
+
+
+def test_serial_cpu_merges_buffers_and_never_loses_to_one_buffer():
+    """On a rank with one core every earlier buffer's overhead pushes the rest of the backward back:
+    the cut makes fewer buffers than with a free core, and finishes no later, under that model, than
+    the free-core cut or one buffer."""
+    params = specs([1 << 18] * 24)
+    free = costs_for(params, backward=4e-3, alpha=1e-4, beta=2e-8, overhead=3e-3)
+    serial = dataclasses.replace(free, serial_cpu=1.0)
+    free_cut, serial_cut = cut_by_cost(params, free, *SPARSE), cut_by_cost(params, serial, *SPARSE)
+    assert 1 < len(serial_cut) < len(free_cut)
+    assert modelled_finish(serial_cut, serial, *SPARSE) < modelled_finish(free_cut, serial, *SPARSE)
+    assert modelled_finish(serial_cut, serial, *SPARSE) <= modelled_finish([params], serial, *SPARSE)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 1 << 16), min_size=1, max_size=12),
+    backward=st.floats(1e-6, 1e-2),
+    overhead=st.floats(0.0, 1e-2),
+    serial_cpu=st.floats(0.0, 1.0),
+)
+def test_the_cut_is_never_later_than_one_buffer(sizes, backward, overhead, serial_cpu):
+    params = specs(sizes)
+    costs = dataclasses.replace(costs_for(params, backward, overhead=overhead), serial_cpu=serial_cpu)
+    groups = cut_by_cost(params, costs, *SPARSE)
+    assert [item for group in groups for item in group] == list(params)
+    assert modelled_finish(groups, costs, *SPARSE) <= modelled_finish([params], costs, *SPARSE) * (1 + 1e-12)
 
 
 def test_latency_bound_link_gives_one_buffer():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 import subprocess
 import sys
 from collections import defaultdict
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_e2e, simulate
+from experiments import common, e2e_analyze, e2e_report, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "experiments" / "results"
@@ -53,8 +54,8 @@ def _synthetic_e2e(tmp: Path) -> None:
                         "plan_sparse_k": 10_000} if scheme in simulate.SPARSE_KIND else {}
                 runs.append({"world": world, "rate": "none" if mbit == "inf" else rate, "workload": "toy",
                              "scheme": scheme, "rep": 0, "params": params, "per_rank_batch": batch, **plan})
-    _write(tmp / "e2e.csv", bench_e2e.SUMMARY_FIELDS, summary)
-    _write(tmp / "e2e_runs.csv", bench_e2e.RUN_FIELDS, runs)
+    _write(tmp / "e2e.csv", e2e_analyze.SUMMARY_FIELDS, summary)
+    _write(tmp / "e2e_runs.csv", e2e_analyze.RUN_FIELDS, runs)
 
 
 def test_simulate_projects_a_monotone_step_time_from_a_tiny_csv(tmp_path):
@@ -120,10 +121,10 @@ def test_bench_e2e_summary_and_targets_from_raw_rows(tmp_path):
                 "hook_payload": [500] * 8 if scheme.startswith("ddp_") else [],
                 "eval": {"val_acc": 0.9, "val_loss": 0.3} if rate == "none" and scheme in ("ddp", "ssfusion") else None,
             })
-    steps, rows = bench_e2e.raw_rows(runs)
-    bench_e2e.write_csv(tmp_path / "e2e_steps.csv", bench_e2e.STEP_FIELDS, steps)
-    bench_e2e.write_csv(tmp_path / "e2e_runs.csv", bench_e2e.RUN_FIELDS, rows)
-    summary, targets = bench_e2e.analyze(tmp_path, "e2e", update=False)
+    steps, rows = e2e_analyze.raw_rows(runs)
+    common.write_csv(tmp_path / "e2e_steps.csv", e2e_analyze.STEP_FIELDS, steps)
+    common.write_csv(tmp_path / "e2e_runs.csv", e2e_analyze.RUN_FIELDS, rows)
+    summary, targets = e2e_report.write_all(tmp_path, "e2e", update=False)
     row = next(r for r in summary if r["scheme"] == "ssfusion" and r["rate"] == "50mbit")
     assert row["step_s"] == pytest.approx(0.12)
     assert row["x_ddp"] == pytest.approx(0.5 / 0.12)
@@ -200,19 +201,37 @@ def test_gpu_script_runs_on_cpu_quick(tmp_path):
 # --------------------------------------------------------------------------- REPORT.md vs committed CSVs
 @pytest.mark.skipif(not (RESULTS / "e2e_steps.csv").exists(), reason="no committed e2e results")
 def test_report_e2e_numbers_come_from_the_committed_csvs():
-    steps = bench_e2e.read_csv(RESULTS / "e2e_steps.csv")
-    runs = bench_e2e.read_csv(RESULTS / "e2e_runs.csv")
-    summary = bench_e2e.summarize(steps, runs)
-    targets = bench_e2e.targets(summary)
-    assert bench_e2e.report_section("e2e") == bench_e2e.report_block(summary, targets).strip()
-    assert bench_e2e.report_section("e2e-headline") == bench_e2e.headline_block(summary, targets).strip()
+    steps = common.read_csv(RESULTS / "e2e_steps.csv")
+    runs = common.read_csv(RESULTS / "e2e_runs.csv")
+    summary = e2e_analyze.summarize(steps, runs)
+    targets = e2e_analyze.targets(summary)
+    assert common.report_section("e2e") == e2e_report.report_block(summary, targets).strip()
+    assert common.report_section("e2e-headline") == e2e_report.headline_block(summary, targets).strip()
     if (RESULTS / "e2e_curve.csv").exists():
-        curve = bench_e2e.read_csv(RESULTS / "e2e_curve.csv")
-        assert bench_e2e.report_section("e2e-curve") == bench_e2e.curve_markdown(curve).strip()
+        curve = common.read_csv(RESULTS / "e2e_curve.csv")
+        assert common.report_section("e2e-curve") == e2e_report.curve_markdown(curve).strip()
     # and the committed summary CSV is the one these raw rows give
     with (RESULTS / "e2e.csv").open() as f:
         committed = list(csv.DictReader(f))
-    assert committed == [{k: str(v) for k, v in r.items()} for r in bench_e2e.summary_csv_rows(summary)]
+    assert committed == [{k: str(v) for k, v in r.items()} for r in e2e_analyze.summary_csv_rows(summary)]
+
+
+@pytest.mark.parametrize("stem", ["e2e_cpu"])
+def test_bench_e2e_from_raw_rebuilds_the_committed_tables(tmp_path, stem):
+    """``python -m experiments.bench_e2e --from-raw`` on a committed raw record gives the committed
+    CSVs and Markdown again, byte for byte (REPORT.md cites these commands)."""
+    from experiments import bench_e2e
+
+    if not (RESULTS / f"{stem}_raw.jsonl").exists():
+        pytest.skip(f"no committed {stem} results")
+    for suffix in ("_raw.jsonl", "_meta.json"):
+        (tmp_path / f"{stem}{suffix}").write_text((RESULTS / f"{stem}{suffix}").read_text())
+    assert bench_e2e.main(["--from-raw", "--out", str(tmp_path), "--name", stem]) == 0
+    for suffix in (".csv", ".md", "_targets.csv", "_targets.md", "_runs.csv", "_steps.csv", "_curve.csv"):
+        name = f"{stem}{suffix}"
+        assert (tmp_path / name).read_text() == (RESULTS / name).read_text(), name
+    for suffix in ("_throughput.png", "_breakdown.png"):
+        assert (tmp_path / f"{stem}{suffix}").stat().st_size > 0
 
 
 @pytest.mark.skipif(not (RESULTS / "simulate_check.csv").exists(), reason="no committed simulate results")
@@ -220,7 +239,7 @@ def test_report_simulate_numbers_come_from_the_committed_csvs(tmp_path):
     assert simulate.main(["--out", str(tmp_path), "--no-report"]) == 0
     for name in ("simulate.csv", "simulate_check.csv"):
         assert (tmp_path / name).read_text() == (RESULTS / name).read_text(), name
-    section = bench_e2e.report_section("simulate")
+    section = common.report_section("simulate")
     assert section is not None and section == (tmp_path / "simulate.md").read_text().split("\n\n", 1)[1].strip()
 
 
@@ -230,7 +249,7 @@ def test_report_ab_tables_come_from_the_committed_csvs(stem):
 
     if not (RESULTS / f"{stem}.csv").exists():
         pytest.skip(f"no committed {stem} results")
-    rows = bench_e2e.read_csv(RESULTS / f"{stem}.csv")
+    rows = common.read_csv(RESULTS / f"{stem}.csv")
     labels = {r["variant"]: ab_engine_options.variant_label(r["options"], r.get("revision", "")) for r in rows}
     table = ab_engine_options.markdown(rows, labels["A"], labels["B"])
     assert (RESULTS / f"{stem}.md").read_text() == table
@@ -305,9 +324,9 @@ def test_report_memory_tables_come_from_the_committed_csvs(stem):
 
     if not (RESULTS / f"{stem}_runs.csv").exists():
         pytest.skip(f"no committed {stem} results")
-    runs = bench_e2e.read_csv(RESULTS / f"{stem}_runs.csv")
+    runs = common.read_csv(RESULTS / f"{stem}_runs.csv")
     table = bench_memory.markdown(bench_memory.summarize(runs), runs)
-    assert bench_e2e.report_section(stem.replace("_", "-")) == table.strip()
+    assert common.report_section(stem.replace("_", "-")) == table.strip()
     assert (RESULTS / f"{stem}.md").read_text().endswith(table)
 
 
@@ -337,3 +356,159 @@ def test_count_rounds_finds_no_control_round_in_a_steady_step():
     buffers = rows["oktopk"]["buffers"]
     assert (rows["oktopk"]["oktopk_counts"], rows["oktopk"]["oktopk_threshold"]) == (buffers, 2 * buffers), rows
     assert rows["oktopk"]["control"] == 3 * buffers and rows["oktopk"]["vote"] == 0, rows
+
+
+# --------------------------------------------------------------------------- simulate.py: host and node layouts
+def test_cpu_bound_terms_scale_with_the_hosts_oversubscription(tmp_path):
+    _synthetic_e2e(tmp_path)
+    rows, plans = simulate.load_e2e(tmp_path)
+    assert simulate.oversubscription(2, 2) == 1.0 and simulate.oversubscription(4, 2) == 2.0
+    assert simulate.oversubscription(8, 16) == 1.0 and simulate.oversubscription(6, 4, threads=2) == 3.0
+    assert simulate.host_scale(4, 2, cores=2) == 2.0 and simulate.host_scale(4, 2, cores=4) == 1.0
+    plain = {(r["world"], r["rate"], r["scheme"]): r for r in simulate.check(rows, plans, 1e-4, 2, 2000.0)}
+    hosted = {(r["world"], r["rate"], r["scheme"]): r for r in simulate.check(rows, plans, 1e-4, 2, 2000.0, cores=2)}
+    # at the base P nothing scales; at P = 4 on 2 cores the engine's compression (10 ms) and
+    # overhead (5 ms) of the base P take twice as long: +15 ms on a shaped link
+    for scheme in ("ssfusion", "zen", "oktopk"):
+        assert hosted[(2, "100mbit", scheme)]["predicted_step_ms"] == pytest.approx(plain[(2, "100mbit", scheme)]["predicted_step_ms"])
+        assert hosted[(4, "100mbit", scheme)]["predicted_step_ms"] == pytest.approx(plain[(4, "100mbit", scheme)]["predicted_step_ms"] + 15)
+    # plain DDP has no hook work; its shaped-link prediction does not change
+    assert hosted[(4, "100mbit", "ddp")]["predicted_step_ms"] == pytest.approx(plain[(4, "100mbit", "ddp")]["predicted_step_ms"])
+
+
+GOOD = 0.95  # simulate.GOODPUT
+
+
+def _layout(nodes, per_node, nics, node_mbit, nic_mbit, alpha, rings=1):
+    return simulate.Layout(nodes, per_node, nics, (node_mbit, alpha), (nic_mbit, alpha), rings)
+
+
+def test_hierarchical_and_flat_schemes_on_2_nodes_of_2_ranks_at_hand_computed_points():
+    # 2 nodes x 2 ranks, one NIC per node (the emulated node): node link 800 Mbit/s, NIC 8 Mbit/s,
+    # both at 95% goodput (95e6 and 0.95e6 B/s), 1 ms per round. One buffer, N = 10^6 sparse, k = 10^4.
+    a, bn, bc = 1e-3, 800e6 / 8 * GOOD, 8e6 / 8 * GOOD
+    w = simulate.Workload("toy", 10**6, 0, 10**6, 10**4, 1)
+    layout = _layout(2, 2, 1, 800.0, 8.0, a)
+    assert bn == pytest.approx(95e6) and bc == pytest.approx(0.95e6)
+    # hierarchical:allgather: reduce-scatter and all-gather in the node, each 1 round and half of
+    # 4 MB: 2 * (a + 2e6 / bn); a node's union of 2 selections is 10^6 (1 - 0.99^2) = 19,900, 9,950
+    # per stripe; the 2 local ranks cross at once on the one NIC (half its rate each): the allgather
+    # over 2 nodes moves 9,950 pairs of 8 B: a + 79,600 / (bc / 2), after a round that agrees on the
+    # largest count (8 B): a + 8 / (bc / 2)
+    hier = 2 * (a + 2e6 / bn) + a + 79_600 / (bc / 2) + a + 8 / (bc / 2)
+    assert hier == pytest.approx(0.213701, rel=1e-5)
+    assert simulate.layout_comm_seconds("hierarchical:allgather", w, layout) == pytest.approx(hier)
+    # flat allgather: gloo's one ring crosses each node once each way, so the ring runs at the
+    # NIC's rate: 3 rounds and 3 * 10^4 pairs
+    flat = 3 * a + 3 * 10**4 * 8 / bc
+    assert simulate.layout_comm_seconds("allgather", w, layout) == pytest.approx(flat)
+    assert simulate.layout_comm_seconds("allgather", w, _layout(4, 1, 1, 800.0, 8.0, a)) == pytest.approx(flat)
+    assert hier / flat == pytest.approx(0.8360, abs=1e-4)
+    # dense DDP: the workload's 1 bucket, 2(P-1) rounds, 2 * 3/4 * 4 MB through the NIC
+    assert simulate.layout_comm_seconds("ddp", w, layout) == pytest.approx(6 * a + 6e6 / bc)
+    # all_to_all: 2/3 of a rank's bytes leave the node, 2 ranks per NIC: 4/3 of the NIC's time per byte
+    node, across = simulate.hierarchy_links(layout)
+    assert across.allgather.beta == pytest.approx(2 / bc) and node.allgather.beta == pytest.approx(1 / bn)
+    assert simulate.flat_links(layout).alltoall.beta == pytest.approx(4 / 3 / bc)
+    assert simulate.hierarchy_links(_layout(4, 1, 1, 800.0, 8.0, a)) is None
+    assert not any(s.startswith("hierarchical") for s in simulate.layout_candidates(_layout(1, 4, 4, 800.0, 8.0, a)))
+
+
+def test_nccl_rings_use_every_nic_of_the_projections_nodes():
+    # 2 nodes x 8 ranks, a NIC per rank at 25 Gbit/s, node link 2.4 Tbit/s: NCCL's 8 rings cross on
+    # 8 NICs, so a flat ring runs at 200 Gbit/s; one node: the node link
+    layout = simulate.paper_layout(16, "25gbit")
+    assert (layout.nodes, layout.per_node, layout.nics, layout.rings) == (2, 8, 8, 8)
+    assert layout.ring_rate == pytest.approx(200e3)
+    assert simulate.paper_layout(8, "25gbit").ring_rate == pytest.approx(simulate.NODE_LINK[0])
+    assert simulate.paper_layout(4, "100gbit").nodes == 1
+    # the hierarchical cross step: each local rank its own NIC, full rate
+    across = simulate.hierarchy_links(layout)[1]
+    assert across.allgather.beta == pytest.approx(1 / (25e9 / 8 * GOOD))
+
+
+@pytest.mark.parametrize("link", sorted(simulate.PAPER_LINKS))
+@pytest.mark.parametrize("density", simulate.LAYOUT_DENSITIES)
+def test_auto_meets_the_issue_16_target_on_every_projected_layout(link, density):
+    sparse = 300_000_000
+    w = simulate.Workload("toy", sparse + 300_000, 300_000, sparse, int(density * sparse), 48)
+    for world in simulate.WORLDS:
+        layout = simulate.paper_layout(world, link)
+        auto = simulate.layout_comm_seconds("auto", w, layout)
+        fixed = [simulate.layout_comm_seconds(s, w, layout) for s in simulate.layout_candidates(layout)]
+        assert auto <= simulate.layout_comm_seconds("ddp", w, layout) * (1 + 1e-9), world
+        assert auto <= 1.05 * min(fixed), world
+
+
+def test_layout_targets_flag_a_slow_auto():
+    rows = [{"workload": "m", "density": 0.01, "link": "25gbit", "world": 64, "scheme": s, "comm_ms": t}
+            for s, t in (("ddp", 10.0), ("allgather", 4.0), ("hierarchical:sparcml", 2.0), ("auto", 2.2))]
+    (target,) = simulate.layout_targets(rows)
+    assert target["best_fixed"] == "hierarchical:sparcml" and target["never_slower_than_dense"]
+    assert not target["within_5pct_of_best"] and target["auto_vs_best"] == pytest.approx(2.0 / 2.2)
+
+
+def test_bench_layouts_summary_and_paired_ratios():
+    from experiments import bench_layouts
+
+    assert bench_layouts.parse_layout("2x2") == (2, 2)
+    assert bench_layouts.variants_for((4, 1), ["ddp", "hier_allgather", "flat"]) == ["ddp", "flat"]
+    records = []
+    for round_, (hier, flat, ddp) in enumerate(((0.3, 0.4, 1.0), (0.5, 0.45, 1.2))):
+        for layout, per_node in (("2x2", 2), ("4x1", 1)):
+            for variant, step in (("hier_allgather", hier), ("flat", flat), ("ddp", ddp), ("compute_only", 0.2)):
+                if variant.startswith("hier") and per_node == 1:
+                    continue
+                records.append({
+                    "layout": layout, "nodes": 4 // per_node, "per_node": per_node, "ranks_per_node": per_node,
+                    "world": 4, "phase": "40mbit", "round": round_, "launch": 0, "order": 0, "workload": "toy",
+                    "variant": variant, "scheme": "ssfusion", "steps": 6, "warmup": 2, "params": 10,
+                    "step_seconds": [9.0, 9.0] + [step * (1.1 if layout == "4x1" else 1.0)] * 4,
+                    "engine": [{"bytes_sent": 100.0, "compress_seconds": 0.01, "exposed_comm_seconds": 0.1}] * 6,
+                    "plan_comm": "allgather;hierarchical:allgather",
+                })
+    runs, steps = bench_layouts.run_rows(records)
+    assert len(steps) == 6 * len(records)
+    summary = {(r["layout"], r["variant"]): r for r in bench_layouts.summarize(runs)}
+    assert summary[("2x2", "hier_allgather")]["step_ms"] == pytest.approx(400.0)  # median of 300 and 500
+    assert summary[("2x2", "hier_allgather")]["x_flat_same_layout"] == pytest.approx(425 / 400)
+    assert summary[("2x2", "flat")]["plan_comm"] == "allgather:2 hierarchical:allgather:2"
+    ratios = bench_layouts.paired_ratios(runs, [(("2x2", "hier_allgather"), ("2x2", "flat")),
+                                                (("2x2", "hier_allgather"), ("4x1", "flat"))])
+    same, across = ratios
+    assert same["rounds"] == 2 and same["faster_in"] == 1
+    assert same["min"] == pytest.approx(0.9) and same["max"] == pytest.approx(4 / 3)
+    assert across["median"] == pytest.approx(statistics.median([0.44 / 0.3, 0.495 / 0.5]))
+
+
+def test_layout_check_predicts_2x2_from_the_flat_run_of_the_same_p():
+    # measured (s): 4x1 flat step 0.5 = compute 0.2 + exposed 0.2 + 0.1 of compression and overhead;
+    # on 2x2 the compute is 0.25 and the model adds the same 0.1 to its own exposed communication
+    def row(layout, variant, step, compute, exposed=None):
+        nodes, per_node = (int(x) for x in layout.split("x"))
+        return {"layout": layout, "nodes": nodes, "per_node": per_node, "rate": "40mbit", "workload": "toy",
+                "variant": variant, "step_s": step, "compute_s": compute, "compress_s": 0.01, "exposed_s": exposed}
+
+    rows = [row("4x1", "flat", 0.5, 0.2, 0.2), row("2x2", "flat", 0.6, 0.25, 0.3),
+            row("2x2", "hier_allgather", 0.55, 0.25, 0.25), row("4x1", "ddp", 2.0, 0.2), row("2x2", "ddp", 2.1, 0.25),
+            row("4x1", "auto", 0.45, 0.2, 0.15), row("2x2", "auto", 0.5, 0.25, 0.2)]
+    sparse = simulate.Workload("toy", 10**6, 0, 10**6, 10**4, 4)
+    dense = simulate.Workload("toy", 10**6, 10**6, 0, 0, 1)
+    plans = {(lay, "toy", v): (dense if v == "ddp" else sparse) for lay in ("4x1", "2x2") for v in ("flat", "hier_allgather", "ddp", "auto")}
+    choices = {("2x2", "toy", "auto"): {"allgather": 0.5, "hierarchical:allgather": 0.5}}
+    out = {r["variant"]: r for r in simulate.check_layouts(rows, plans, choices, 1e-3, 1000.0, 2.0)}
+    assert set(out) == {"flat", "hier_allgather", "ddp", "auto"}  # the 2x2 rows only
+    layout = simulate.Layout(2, 2, 1, (500.0, 1e-3), (40.0, 1e-3))
+    for variant, model, extra in (("flat", "allgather", 0.1), ("hier_allgather", "hierarchical:allgather", 0.1),
+                                  ("ddp", "ddp", 0.0), ("auto", "auto", 0.45 - 0.2 - 0.15)):
+        w = plans[("2x2", "toy", variant)]
+        comm = simulate.layout_comm_seconds(model, w, layout)
+        predicted = 0.25 + extra + simulate.exposed_seconds(comm, 0.25, w.buffers)
+        assert out[variant]["predicted_step_ms"] == pytest.approx(predicted * 1e3), variant
+    # auto: costed by its modelled choice; the run's per-buffer choices are shown, not costed
+    choice = simulate.auto_choice(sparse, layout)
+    assert out["auto"]["comm_ms"] == pytest.approx(1e3 * simulate.layout_comm_seconds(choice, sparse, layout))
+    assert out["auto"]["model"] == f"auto -> {choice} (run: allgather:0.50 hierarchical:allgather:0.50)"
+    # the run's choices cost like this when given (a share of the plan's equal buffers each)
+    half = [simulate.layout_comm_seconds(s, sparse, layout) for s in ("allgather", "hierarchical:allgather")]
+    assert simulate.layout_comm_seconds("auto", sparse, layout, choices[("2x2", "toy", "auto")]) == pytest.approx(sum(half) / 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -24,9 +25,9 @@ import ssfusion_lightning as ssf
 from ssfusion_lightning.costmodel import CostProfile, Link
 from ssfusion_lightning.data import ResumableDataLoader
 from ssfusion_lightning.engine import state as engine_state
-from ssfusion_lightning.engine.plan import ParamSpec
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.sparsifiers import build_sparsifier
+from ssfusion_lightning.vocabulary import ParamSpec
 from tests.workloads import Regressor, make_trainer, regression_data
 
 SPARSE = dict(sparsifier="topk", density=0.05, fusion="ahead", comm="hybrid", offload="none", process_groups=2)
@@ -113,6 +114,16 @@ def test_format0_states_migrate_and_unknown_formats_are_refused():
         engine_state.upgrade(dict(state, format=2))
     with pytest.raises(ValueError, match="corrupted engine state: expected entries"):
         engine_state.upgrade({"step": "garbage"})
+
+
+def test_format0_plans_pickled_under_the_old_module_name_still_load():
+    """The first releases kept the plan types in ssfusion_lightning/engine/plan.py, and format-0
+    checkpoints name that module in their pickles."""
+    plan, _ = a_plan()
+    data = pickle.dumps(plan, protocol=2)  # names classes as text: "ssfusion_lightning.vocabulary\nPlan"
+    assert b"ssfusion_lightning.vocabulary\n" in data
+    old = data.replace(b"ssfusion_lightning.vocabulary\n", b"ssfusion_lightning.engine.plan\n")
+    assert pickle.loads(old) == plan
 
 
 def test_strip_engine_state_leaves_what_ddp_writes(tmp_path):

@@ -223,3 +223,70 @@ def test_delay_fails_loudly_when_unavailable(monkeypatch, host_unchanged):
     with pytest.raises(Unsupported, match="--delay/--loss cannot be emulated"):
         with EmulatedCluster(nodes=2, rate="1gbit", delay="1ms"):
             pass
+
+
+# ------------------------------------------------------------------ nodes of several ranks
+def test_ranks_per_node_numbers_ranks_node_major_without_root():
+    import ipaddress
+
+    from experiments.cluster import EmulatedCluster
+
+    c = EmulatedCluster(nodes=2, ranks_per_node=2)
+    c.subnet = ipaddress.ip_network("10.231.7.0/24")  # what start() would choose; nothing is built
+    envs = [c.env_for(rank) for rank in range(4)]
+    assert [(e["RANK"], e["NODE_RANK"], e["LOCAL_RANK"]) for e in envs] == [
+        ("0", "0", "0"), ("1", "0", "1"), ("2", "1", "0"), ("3", "1", "1")]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"} and {e["SSF_NUM_NODES"] for e in envs} == {"2"}
+    # both ranks of a node have its address (and reach each other over its loopback)
+    assert [e["SSF_NODE_ADDR"] for e in envs] == ["10.231.7.1", "10.231.7.1", "10.231.7.2", "10.231.7.2"]
+    assert [c.log_name(rank) for rank in range(4)] == ["node0.0.log", "node0.1.log", "node1.0.log", "node1.1.log"]
+    assert EmulatedCluster(nodes=3).log_name(2) == "node2.log"
+    with pytest.raises(ValueError, match="rank 4"):
+        c.node_of(4)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        EmulatedCluster(nodes=2, ranks_per_node=0)
+
+
+NODE_LOCAL = textwrap.dedent("""
+    import datetime, os, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
+    r, w = dist.get_rank(), dist.get_world_size()
+    t = torch.full((10,), float(r + 1))
+    dist.all_reduce(t)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    big = torch.ones(1 << 20)  # 4 MB: 4 s each way on the 8 Mbit/s link
+    dist.barrier()
+    started = time.perf_counter()
+    dist.all_reduce(big, group=groups[r // 2])
+    print(f"RESULT rank={r} world={w} node={os.environ['NODE_RANK']} local={os.environ['LOCAL_RANK']} "
+          f"sum={t[0].item()} local_seconds={time.perf_counter() - started:.3f} ok={bool((big == 2).all())}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@needs_netns
+def test_two_ranks_per_node_talk_over_the_node_and_share_its_link(tmp_path, host_unchanged):
+    from experiments.cluster import EmulatedCluster
+
+    script = tmp_path / "node_local.py"
+    script.write_text(NODE_LOCAL)
+    with EmulatedCluster(nodes=2, ranks_per_node=2, rate="8mbit") as c:
+        res = c.run([sys.executable, str(script)], env=_env(), timeout=90, log_dir=tmp_path / "logs", stream=False)
+        logs = [res.log(rank) for rank in range(4)]
+        assert res.returncode == 0, "\n".join(log[-1500:] for log in logs)
+        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+            "node0.0.log", "node0.1.log", "node1.0.log", "node1.1.log"]
+        for rank, log in enumerate(logs):
+            assert f"RESULT rank={rank} world=4 node={rank // 2} local={rank % 2} sum=10.0" in log, log[-1500:]
+            assert "ok=True" in log
+            # the node-local 4 MB all-reduce never touched the shaped link (it would take >= 4 s)
+            seconds = float(log.split("local_seconds=")[1].split()[0])
+            assert seconds < 2.0, log[-1500:]
+        # every packet that left a node went through its one shaped NIC: the tbf on eth0 saw it,
+        # and far less than the node-local 4 MB
+        stats = subprocess.run(["tc", "-n", c.node_ns[0], "-s", "qdisc", "show", "dev", "eth0"],
+                               capture_output=True, text=True).stdout
+        sent = int(stats.split("Sent ")[1].split()[0])
+        assert 0 < sent < 1 << 20, stats

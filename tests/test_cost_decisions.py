@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from ssfusion_lightning.costmodel import CostProfile, Link
-from ssfusion_lightning.engine.plan import ParamSpec
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.fusion.adaptive import adaptive_boundaries
 from ssfusion_lightning.fusion.partial import sparse_decisions
 from ssfusion_lightning.fusion.selective import choose_threshold
 from ssfusion_lightning.sparsifiers import build_sparsifier
+from ssfusion_lightning.vocabulary import ParamSpec
 
 US = 1e-6
 NS_PER_BYTE = 1e-9
@@ -229,3 +229,44 @@ def test_partial_counts_a_dense_transfer_as_busy_channel():
     assert decisions([1000, 1000, 1000], [1, 1, 1]) == {"p0": False, "p1": True, "p2": True}
     # A dense sparsifier: never sparse, whatever the costs.
     assert decisions([10000, 1000], [1, 1], sparsifier="none") == {"p0": False, "p1": False}
+
+
+def test_the_cpu_probe_sees_one_core_as_serial():
+    """Pinned to one core, a second thread's work takes turns with the main thread's: the probe
+    reports a large share of it as delaying the main thread (0.43 on a loaded CI host). A fresh interpreter, so the pinning
+    touches nothing else."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, torch; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); torch.set_num_threads(1);"
+        "from ssfusion_lightning.costmodel import measure_serial_cpu; print(measure_serial_cpu())"
+    )
+    share = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    assert 0.25 <= share <= 1.0, share  # a free core gives about 0; outside load on the pinned core blurs 1
+
+
+def test_the_cpu_probe_leaves_the_global_generator_alone():
+    """It runs on a channel thread beside training: a draw from torch's global generator would
+    shift the model's own random stream (dropout, augmentation) at a moment no one chose."""
+    from ssfusion_lightning.costmodel import measure_serial_cpu
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    measure_serial_cpu(work_elements=1 << 10, repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_the_agreed_serial_share_is_every_ranks_worst(pool2):
+    for costs in pool2.run(agree_serial_shares):
+        assert costs.serial_cpu == 0.75 and costs.world_size == 2
+
+
+def agree_serial_shares():
+    import torch.distributed as dist
+
+    from ssfusion_lightning.costmodel import agree
+
+    rank = dist.get_rank()
+    links = {"allreduce": Link(1e-4, 1e-9), "allgather": Link(1e-4, 1e-9)}
+    return agree([1e-3, 0.0, 0.0, 0.0], ["p0"], links, 2, None, torch.device("cpu"), 1.0, [0.75, 0.25][rank])

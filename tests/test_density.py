@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.costmodel import CostProfile
 from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
-from ssfusion_lightning.engine.plan import ParamSpec
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
+from ssfusion_lightning.vocabulary import ParamSpec
 
 POLICIES = ["layerwise", "behind", "ahead", "aligned", "adaptive", "selective", "partial"]
 

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 import ssfusion_lightning as ssf
 from ssfusion_lightning.comm import zen
+from ssfusion_lightning.engine.agreement import IN_DENSE
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.sparsifiers import selection
 from ssfusion_lightning.sparsifiers.memory import DGCMemory
@@ -100,7 +101,7 @@ def formula_bytes(engine) -> dict[str, int]:
     """The persistent state the engine is allowed, from the plan (fp32 parameters)."""
     plan, element = engine.plan, 4
     copies = 2 if isinstance(engine.memory, DGCMemory) else 1
-    vote = engine.world_size if engine._vote_in_dense else 0  # uint8 votes ride in fp32 entries
+    vote = engine.world_size if engine._round.vote.route == IN_DENSE else 0  # uint8 votes ride in fp32 entries
     return {
         "error feedback": copies * plan.sparse_numel * element,
         "dense send buffers": (sum(b.dense_numel for b in plan.buffers) + vote) * element,
@@ -130,8 +131,8 @@ class Probe(L.Callback):
     def on_after_backward(self, trainer, pl_module) -> None:
         engine = trainer.strategy.engine
         excluded = params_and_grads(engine) | {t.untyped_storage().data_ptr() for t in engine._dense_storage.values()}
-        messages = [item[2] for item in engine._pending if isinstance(item, tuple)]
-        self.in_flight.append(sum(storages((engine._pieces, messages), excluded).values()))
+        messages = [item[2] for item in engine._round.launched if isinstance(item, tuple)]
+        self.in_flight.append(sum(storages((engine._round.pieces, messages), excluded).values()))
 
     def on_train_batch_end(self, trainer, *args) -> None:
         engine = trainer.strategy.engine

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
-from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
+from ssfusion_lightning.commcost import ring_allreduce_bytes
 from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
-from ssfusion_lightning.engine.plan import ParamSpec, cut_by_bytes
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
+from ssfusion_lightning.vocabulary import ParamSpec, cut_by_bytes
 
 POLICIES = ["layerwise", "behind", "ahead", "aligned", "adaptive", "selective", "partial"]
 EXACT_COMMS = ["allreduce", "allgather", "hybrid", "zen", "sparcml"]
@@ -211,7 +211,7 @@ def test_selective_keeps_the_density_of_its_sparse_tensors_and_bytes_match_the_f
             assert abs(selected - density * sparse_numel) <= len(buffer.sparse_slots), (selected, sparse_numel)
             assert buffer.dense_numel <= density * buffer.numel  # the dense budget bounds the extra bytes
             if dense is not None:
-                sent_bytes += ring_allreduce_bytes(dense.numel(), value_bytes, world)
+                sent_bytes += ring_allreduce_bytes(dense.numel() * value_bytes, world)
             if values is not None:
                 # topk's count is known from the plan: no count exchange; int32 positions
                 sent_bytes += (world - 1) * values.numel() * (value_bytes + WIRE_INDEX_BYTES)
@@ -327,7 +327,7 @@ def first_buffer_launch_during_backward(fusion):
 
     def recording(encoded, buffer, channels):
         if buffer.index == 0:
-            missing_at_first_launch.append(len(engine.params) - len(engine._ready_order))
+            missing_at_first_launch.append(len(engine.params) - len(engine._round.ready_order))
         return launch(encoded, buffer, channels)
 
     engine.communicator.launch = recording

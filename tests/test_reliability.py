@@ -89,19 +89,19 @@ SELECTIVE = dict(sparsifier="topk", density=0.2, fusion="selective", comm="hybri
 
 def counted_vote_rounds(policy: str, options: dict, steps: int = 6):
     """nonfinite_run, plus how many separate non-finite vote collectives the engine issued."""
-    import ssfusion_lightning.engine.engine as engine_module
+    import ssfusion_lightning.engine.agreement as agreement_module
 
-    original, rounds = engine_module._allreduce_max, []
+    original, rounds = agreement_module._nonfinite_vote, []
 
     def counting(tensor, group):
         rounds.append(tensor.numel())
         return original(tensor, group)
 
-    engine_module._allreduce_max = counting
+    agreement_module._nonfinite_vote = counting
     try:
         return nonfinite_run(policy, options, steps), len(rounds)
     finally:
-        engine_module._allreduce_max = original
+        agreement_module._nonfinite_vote = original
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])

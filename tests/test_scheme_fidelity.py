@@ -18,10 +18,10 @@ from ssfusion_lightning.comm.channels import result
 from ssfusion_lightning.comm.zen import zen_or_sparcml
 from ssfusion_lightning.costmodel import CostProfile, Link
 from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine, dense_version, offload_decisions
-from ssfusion_lightning.engine.plan import Buffer, Plan, Slot
-from ssfusion_lightning.fusion import FUSION_POLICIES, CompressContext, PlanContext
+from ssfusion_lightning.fusion import FUSION_POLICIES, CompressContext, ErrorFeedback, PlanContext
 from ssfusion_lightning.fusion.base import exact_count
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
+from ssfusion_lightning.vocabulary import Buffer, Plan, Slot
 
 
 def make_engine(model, fusion, comm, sparsifier="topk", density=0.1, memory="residual", offload="none", buffer_bytes=25 << 20):
@@ -150,7 +150,7 @@ def test_dgc_momentum_is_applied_once_on_dense_and_sparse_slots():
     a sparse slot sends the top of v_t = v_(t-1) + u_t and masks u and v where it sent."""
     m, scale = 0.5, 1.0
     memory = build_memory("dgc", momentum=m)
-    ctx = CompressContext(build_sparsifier("topk", density=0.5), memory, scale)
+    ctx = CompressContext(build_sparsifier("topk", density=0.5), ErrorFeedback(memory), scale)
     policy = FUSION_POLICIES.build("ahead")
     dense = Slot("d", 0, (2,), 0, 2, False, 2)
     sparse = Slot("s", 1, (2,), 0, 2, True, 1)
@@ -178,7 +178,7 @@ def test_dgc_momentum_is_applied_once_on_dense_and_sparse_slots():
 
 def test_a_sparse_tensor_turned_dense_flushes_its_residual():
     memory = build_memory("residual")
-    ctx = CompressContext(build_sparsifier("topk", density=0.5), memory, 1.0)
+    ctx = CompressContext(build_sparsifier("topk", density=0.5), ErrorFeedback(memory), 1.0)
     policy = FUSION_POLICIES.build("ahead")
     piece = policy.compress_slot(Slot("w", 0, (2,), 0, 2, True, 1), torch.tensor([1.0, 2.0]), None, ctx)
     memory.update("w", piece.update.grad, piece.update.sent)
@@ -292,12 +292,15 @@ def test_offload_runs_on_the_worker_while_backward_is_busy_in_one_buffer(pool2):
         assert early == {"second.weight", "second.bias"}, events
 
 
-def auto_offload_run():
+def auto_offload_run(serial_cpu=0.0):
     torch.manual_seed(0)
     model = TwoLayer()
     engine = make_engine(model, "ahead", "allgather", offload="auto")
     engine.costs = CostProfile(
-        backward={n: 0.01 for n, _ in model.named_parameters()}, compress_fixed=0.0, compress_per_element=1e-9
+        backward={n: 0.01 for n, _ in model.named_parameters()},
+        compress_fixed=0.0,
+        compress_per_element=1e-9,
+        serial_cpu=serial_cpu,
     )
     engine.set_plan(engine.plan)
     offloaded = sorted(engine.names[i] for i in engine._offloaded)
@@ -309,6 +312,12 @@ def auto_offload_run():
 def test_offload_auto_offloads_within_one_buffer(pool2):
     for offloaded, buffers in pool2.run(auto_offload_run):
         assert buffers == 1 and offloaded == ["first.bias", "first.weight", "second.bias", "second.weight"], offloaded
+
+
+def test_offload_auto_offloads_nothing_when_the_worker_takes_the_backwards_core(pool2):
+    """The same costs, but a worker thread's CPU work delays the main thread (one core per rank)."""
+    for offloaded, buffers in pool2.run(auto_offload_run, 1.0):
+        assert buffers == 1 and offloaded == [], offloaded
 
 
 # ----------------------------------------------------------------------------- SAFusion alignment

@@ -8,7 +8,6 @@ are written out here independently of the implementation (only the hash is share
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -301,8 +300,7 @@ def test_zen_partition_and_bitmap_codec():
 
 def run_zen_communicator(numel, k, rounds, choice):
     from ssfusion_lightning.comm import ChannelSet
-    from ssfusion_lightning.engine.plan import Buffer, Slot
-    from ssfusion_lightning.fusion.base import Encoded
+    from ssfusion_lightning.vocabulary import Buffer, Encoded, Slot
 
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = ZenCommunicator(choice=choice, profile_rounds=2)
@@ -399,10 +397,9 @@ def test_oktopk_threshold_reuse_stays_consistent_and_cheap(pools, world):
 def run_oktopk_residual(numel, k, seed):
     """One Ok-Topk round through the communicator, then the engine's error-feedback filter."""
     from ssfusion_lightning.comm import ChannelSet
-    from ssfusion_lightning.engine.engine import FusionEngine
-    from ssfusion_lightning.engine.plan import Buffer, Slot
-    from ssfusion_lightning.fusion.base import Encoded, PendingUpdate
+    from ssfusion_lightning.fusion import ErrorFeedback
     from ssfusion_lightning.sparsifiers.memory import ResidualMemory
+    from ssfusion_lightning.vocabulary import Buffer, Encoded, PendingUpdate, Slot
 
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(seed + rank)
@@ -417,7 +414,7 @@ def run_oktopk_residual(numel, k, seed):
     finally:
         channels.shutdown()
     memory = ResidualMemory()
-    FusionEngine._update_memory(SimpleNamespace(memory=memory, _loss_scale=None), encoded, reduced)
+    ErrorFeedback(memory).commit(encoded.updates, reduced.applied)
     return compensated, sent, reduced.applied, reduced.sparse, memory.residual("w").clone(), comm.state_dict()
 
 

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader
 import ssfusion_lightning as ssf
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
-from ssfusion_lightning.engine.timeline import MARKS, PHASES, Event, Timeline, chrome_trace
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
+from ssfusion_lightning.timeline import MARKS, PHASES, Event, Timeline, chrome_trace
 from tests.workloads import Regressor, make_trainer, regression_data
 
 BUFFER_PHASES = ("select", "pack", "launch", "comm", "wait", "write")

@@ -48,7 +48,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     log_dir = a.log_dir or default_log_dir()
     cluster = EmulatedCluster(nodes=a.nodes, rate=_none(a.rate), delay=_none(a.delay), loss=_none(a.loss),
                               subnet=a.subnet, mtu=a.mtu, queue=a.queue, master_port=a.master_port,
-                              verbose=not a.quiet)
+                              verbose=not a.quiet, ranks_per_node=a.ranks_per_node)
     try:
         with cluster:
             res = cluster.run(cmd, timeout=a.timeout, log_dir=log_dir, stream=not a.no_stream,
@@ -101,11 +101,13 @@ def main(argv: list[str] | None = None) -> int:
 
     r = sub.add_parser("run", help="run a command once per emulated node")
     r.add_argument("--nodes", "-n", type=int, required=True)
+    r.add_argument("--ranks-per-node", type=int, default=1,
+                   help="ranks in every node: they share its namespace (a fast unshaped local path) and its link")
     r.add_argument("--rate", default="1gbit", help="per-node link rate, each direction (tc syntax; 'none' = unshaped)")
     r.add_argument("--delay", default=None, help="one-way delay added to every packet a node receives (e.g. 0.5ms)")
     r.add_argument("--loss", default=None, help="random loss per packet received (e.g. 0.1%%)")
     r.add_argument("--log-dir", default=None,
-                   help="per-rank logs node<i>.log (default $TMPDIR/ssf_cluster_logs/<time>)")
+                   help="per-rank logs node<i>.log, node<i>.<local rank>.log with several ranks per node (default $TMPDIR/ssf_cluster_logs/<time>)")
     r.add_argument("--timeout", type=float, default=None, help="kill all ranks after this many seconds (exit 124)")
     r.add_argument("--fail-grace", type=float, default=30.0, help="kill the other ranks this long after one fails")
     r.add_argument("--master-port", type=int, default=29500)

@@ -5,6 +5,12 @@ Topology (everything lives in namespaces created here; the host's interfaces are
     netns <prefix>sw  : bridge "br0" with ports p0..p{N-1}            (the "switch")
     netns <prefix>n<i>: "eth0" = 10.231.X.(i+1)/24, veth peer of p<i>  (node i)
 
+A node may host several ranks (``ranks_per_node``): they share the node's namespace and address,
+so traffic between two ranks of one node never leaves the namespace (the kernel delivers a
+packet to one of its own addresses over the namespace's loopback, unshaped), while every
+packet to another node goes through the node's one shaped link (eth0), as on a real node with
+a fast intra-node interconnect and one NIC.
+
 Per node, each direction of its link is shaped with ``tbf`` to ``rate``: uplink on the
 node's eth0 egress, downlink on the switch port p<i> egress (a full-duplex port).
 Optional one-way ``delay`` and random ``loss`` are applied to every packet a node receives
@@ -252,10 +258,14 @@ class EmulatedCluster:
     def __init__(self, nodes: int, rate: str | int | None = "1gbit", delay: str | float | None = None,
                  loss: str | float | None = None, *, subnet: str | None = None, mtu: int = 1500,
                  queue: str | float = "50ms", master_port: int = DEFAULT_MASTER_PORT,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, ranks_per_node: int = 1) -> None:
         if nodes < 1:
             raise ValueError("nodes must be >= 1")
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
         self.nodes = nodes
+        self.ranks_per_node = ranks_per_node
+        self.world_size = nodes * ranks_per_node
         self.rate_bps = parse_rate(rate) if rate not in (None, "", "none", 0) else None
         self.delay_s = parse_time(delay) if delay not in (None, "") else 0.0
         self.loss = parse_fraction(loss) if loss not in (None, "") else 0.0
@@ -282,9 +292,21 @@ class EmulatedCluster:
         if self.verbose:
             print(f"[cluster] {msg}", file=sys.stderr, flush=True)
 
-    def addr(self, rank: int) -> str:
+    def addr(self, node: int) -> str:
+        """Node ``node``'s address (every rank of the node has it)."""
         assert self.subnet is not None
-        return str(self.subnet.network_address + rank + 1)
+        return str(self.subnet.network_address + node + 1)
+
+    def node_of(self, rank: int) -> int:
+        """The node of global rank ``rank`` (ranks are numbered node-major, as Lightning does)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in 0..{self.world_size - 1}")
+        return rank // self.ranks_per_node
+
+    def log_name(self, rank: int) -> str:
+        """``node<i>.log`` with one rank per node, ``node<i>.<local rank>.log`` otherwise."""
+        node = self.node_of(rank)
+        return f"node{node}.log" if self.ranks_per_node == 1 else f"node{node}.{rank % self.ranks_per_node}.log"
 
     @property
     def master_addr(self) -> str:
@@ -370,7 +392,8 @@ class EmulatedCluster:
 
     def describe(self) -> str:
         rate = format_rate(self.rate_bps) if self.rate_bps else "unlimited"
-        return (f"{self.nodes} nodes in {self.subnet} (ns {self.node_ns[0]}..), rate {rate}, "
+        ranks = f" x {self.ranks_per_node} ranks" if self.ranks_per_node > 1 else ""
+        return (f"{self.nodes} nodes{ranks} in {self.subnet} (ns {self.node_ns[0]}..), rate {rate}, "
                 f"delay {self.delay_s * 1e3:g}ms, loss {self.loss * 100:g}%")
 
     def _tbf_args(self) -> list[str]:
@@ -478,38 +501,43 @@ class EmulatedCluster:
 
     # ------------------------------------------------------------------ run
     def env_for(self, rank: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Environment of node ``rank``: ``os.environ`` + ``extra`` + the cluster's variables (which win).
+        """Environment of global rank ``rank`` (node ``rank // ranks_per_node``): ``os.environ`` +
+        ``extra`` + the cluster's variables (which win).
 
         Variables that would make Lightning/torch detect a *different* cluster (SLURM, torchelastic,
         MPI, LSF, Kubernetes) are removed."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_ENV_PREFIXES)}
         if extra:
             env.update({k: str(v) for k, v in extra.items()})
+        node = self.node_of(rank)
         env.update({
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
-            "NODE_RANK": str(rank),
-            "RANK": str(rank),           # devices=1 per node: global rank == node rank
-            "WORLD_SIZE": str(self.nodes),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
+            "NODE_RANK": str(node),
+            "RANK": str(rank),           # node-major: node * ranks_per_node + local rank
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(rank % self.ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
+            # gloo binds to the node's address; a peer of the same node is reached over loopback
             "GLOO_SOCKET_IFNAME": self.iface,
             "TP_SOCKET_IFNAME": self.iface,
             "NCCL_SOCKET_IFNAME": self.iface,
             "SSF_NUM_NODES": str(self.nodes),
-            "SSF_NODE_ADDR": self.addr(rank),
+            "SSF_RANKS_PER_NODE": str(self.ranks_per_node),
+            "SSF_NODE_ADDR": self.addr(node),
         })
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nodes)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world_size)))
         env.pop("GROUP_RANK", None)
         return env
 
     def popen(self, rank: int, cmd: Sequence[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.Popen:
-        """Start ``cmd`` inside node ``rank``'s namespace (its own process group). The caller
-        owns the process; it is still killed by :meth:`close`."""
+        """Start ``cmd`` inside the namespace of global rank ``rank``'s node (its own process group;
+        with one rank per node, node ``rank``). The caller owns the process; it is still killed
+        by :meth:`close`."""
         if not self._started or self._closed:
             raise ClusterError("cluster is not running")
         kw.setdefault("start_new_session", True)
-        p = subprocess.Popen([_ip_bin(), "netns", "exec", self.node_ns[rank], *cmd],
+        p = subprocess.Popen([_ip_bin(), "netns", "exec", self.node_ns[self.node_of(rank)], *cmd],
                              env=dict(env) if env is not None else self.env_for(rank), **kw)
         with self._lock:
             self._procs.append(p)
@@ -519,11 +547,13 @@ class EmulatedCluster:
             log_dir: str | os.PathLike | None = None, stream: bool = True,
             rank_env: Callable[[int], Mapping[str, str]] | None = None, fail_grace: float = 30.0,
             stream_to=None) -> RunResult:
-        """Run ``cmd`` once per node (same command, per-node env) and wait for all of them.
+        """Run ``cmd`` once per rank (``ranks_per_node`` copies in every node; same command,
+        per-rank env) and wait for all of them.
 
         ``env``: extra variables for every rank (the cluster's MASTER_ADDR/NODE_RANK/... still win);
         ``rank_env(i)``: per-rank variables applied last (may override anything).
-        Rank ``i``'s stdout+stderr go to ``log_dir/node<i>.log``; rank 0's are also streamed to
+        Rank ``i``'s stdout+stderr go to ``log_dir/``:meth:`log_name` (``node<i>.log`` with
+        one rank per node); rank 0's are also streamed to
         ``stream_to`` (default ``sys.stdout``). On ``timeout`` every rank is killed and
         ``returncode`` is 124. If a rank fails, the others are killed after ``fail_grace`` s and
         ``returncode`` is the largest code among the ranks that exited by themselves.
@@ -538,12 +568,12 @@ class EmulatedCluster:
         procs: list[subprocess.Popen] = []
         files = []
         threads = []
-        logs = [log_dir / f"node{i}.log" for i in range(self.nodes)]
+        logs = [log_dir / self.log_name(i) for i in range(self.world_size)]
         t0 = time.monotonic()
         timed_out = False
-        natural: list[int | None] = [None] * self.nodes
+        natural: list[int | None] = [None] * self.world_size
         try:
-            for i in range(self.nodes):
+            for i in range(self.world_size):
                 e = self.env_for(i, env)
                 if rank_env:
                     e.update({k: str(v) for k, v in rank_env(i).items()})

@@ -12,19 +12,11 @@ from typing import Any, Mapping
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.data import extract_batch_size
+from typing_extensions import override
 
 from ssfusion_lightning.app import RESULTS_FILE
-
-
-def batch_size_of(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.ndim else 1
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)) and batch:
-        return batch_size_of(batch[0])
-    return 0
+from ssfusion_lightning.commcost import ring_allreduce_bytes
 
 
 class SamplesPerSecond(Callback):
@@ -48,12 +40,15 @@ class SamplesPerSecond(Callback):
     def _restart_clock(self) -> None:
         self._mark = time.perf_counter()
 
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._restart_clock()
 
+    @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._restart_clock()
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -62,7 +57,7 @@ class SamplesPerSecond(Callback):
             self._mark = now
             return
         duration, self._mark = now - self._mark, now
-        samples = batch_size_of(batch) * trainer.world_size
+        samples = extract_batch_size(batch) * trainer.world_size
         self.durations.append(duration)
         self.samples.append(samples)
         if self.log_to_loggers and duration > 0 and trainer.loggers:
@@ -78,13 +73,6 @@ class SamplesPerSecond(Callback):
             "measured_steps": len(durations),
             "skipped_steps": skip,
         }
-
-
-def ring_allreduce_bytes(parameter_bytes: int, world_size: int) -> float:
-    """Bytes one rank sends (and receives) in a ring all-reduce of ``parameter_bytes``: 2(P-1)/P of it."""
-    if world_size <= 1:
-        return 0.0
-    return 2.0 * (world_size - 1) / world_size * parameter_bytes
 
 
 class CommunicationStats(Callback):
@@ -114,6 +102,7 @@ class CommunicationStats(Callback):
         self._last_seen: Any = None
         self._last_step = -1
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from ssfusion_lightning.strategy import SSFusionStrategy
 
@@ -126,6 +115,7 @@ class CommunicationStats(Callback):
             self.source = "ddp_ring_allreduce_estimate"
         self._last_step = trainer.global_step
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -188,6 +178,7 @@ class ResultsWriter(Callback):
         self.results: dict[str, Any] = {}
         self._fit_start: float | None = None
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
 
@@ -223,11 +214,13 @@ class ResultsWriter(Callback):
             "config": self.config,
         }
 
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.results = self.collect(trainer, pl_module)
         if trainer.is_global_zero:
             write_json(self.path, self.results)
 
+    @override
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         metrics = {key: _number(value) for key, value in trainer.callback_metrics.items() if key.startswith("test/")}
         if not self.results and self.path.exists():  # fit ran in other (spawned) processes

@@ -34,8 +34,7 @@ from ssfusion_lightning.commcost import (
     scheme_seconds,
 )
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.engine.plan import Buffer, Plan
-from ssfusion_lightning.fusion.base import Encoded
+from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,8 @@ from torch import Tensor
 from ssfusion_lightning.comm.channels import ChannelSet, result
 from ssfusion_lightning.comm.traffic import Traffic
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.engine.plan import Buffer, Plan
-from ssfusion_lightning.fusion.base import Encoded
 from ssfusion_lightning.registry import Registry
+from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ssfusion_lightning.comm.topology import Hierarchy
-from ssfusion_lightning.engine.timeline import Timeline
+from ssfusion_lightning.timeline import Timeline
 
 
 @dataclass

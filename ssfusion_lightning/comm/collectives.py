@@ -12,14 +12,14 @@ from torch import Tensor
 from ssfusion_lightning.comm.base import COMMUNICATORS, Communicator, PendingReduction, Reduced
 from ssfusion_lightning.comm.channels import Channel, ChannelSet, result
 from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype
-from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
-from ssfusion_lightning.engine.plan import Buffer
-from ssfusion_lightning.fusion.base import Encoded
+from ssfusion_lightning.comm.traffic import Traffic
+from ssfusion_lightning.commcost import ring_allreduce_bytes
+from ssfusion_lightning.vocabulary import Buffer, Encoded
 
 
 def allreduce_dense(tensor: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, Traffic]:
     dist.all_reduce(tensor, group=group)
-    nbytes = ring_allreduce_bytes(tensor.numel(), tensor.element_size(), dist.get_world_size(group))
+    nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), dist.get_world_size(group))
     traffic = Traffic()
     traffic.add(nbytes, nbytes)
     return tensor, traffic

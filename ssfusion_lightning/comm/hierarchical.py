@@ -35,10 +35,9 @@ from ssfusion_lightning.comm.channels import Channel, ChannelSet
 from ssfusion_lightning.comm.oktopk import OkTopkState, OkTopkStates, oktopk_reduce
 from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype
 from ssfusion_lightning.comm.topology import Hierarchy
-from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
-from ssfusion_lightning.commcost import SCHEMES
-from ssfusion_lightning.engine.plan import Buffer, Plan
-from ssfusion_lightning.fusion.base import Encoded
+from ssfusion_lightning.comm.traffic import Traffic
+from ssfusion_lightning.commcost import SCHEMES, ring_allreduce_bytes
+from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 #: every flat scheme can be the cross-node step
 CROSS_SCHEMES = SCHEMES
@@ -83,7 +82,7 @@ def hierarchical_dense_sum(tensor: Tensor, hierarchy: Hierarchy, traffic: Traffi
     stripe = _node_reduce_scatter(padded, hierarchy, traffic)
     if hierarchy.nodes > 1:
         dist.all_reduce(stripe, group=hierarchy.cross)
-        nbytes = ring_allreduce_bytes(stripe.numel(), stripe.element_size(), hierarchy.nodes)
+        nbytes = ring_allreduce_bytes(stripe.numel() * stripe.element_size(), hierarchy.nodes)
         traffic.add(nbytes, nbytes)
     return _node_all_gather(stripe, hierarchy, traffic)[:numel]
 
@@ -111,7 +110,7 @@ def hierarchical_sparse_sum(
     applied = None
     if hierarchy.nodes > 1 and cross == "allreduce":
         dist.all_reduce(stripe, group=hierarchy.cross)
-        nbytes = ring_allreduce_bytes(stripe.numel(), stripe.element_size(), hierarchy.nodes)
+        nbytes = ring_allreduce_bytes(stripe.numel() * stripe.element_size(), hierarchy.nodes)
         traffic.add(nbytes, nbytes)
     elif cross == "oktopk":
         # each stripe keeps its share of the k entries a flat Ok-Topk would keep

@@ -43,9 +43,9 @@ from ssfusion_lightning.comm.base import COMMUNICATORS
 from ssfusion_lightning.comm.channels import Channel
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
 from ssfusion_lightning.comm.schemes import COUNT_BYTES, accumulation_dtype, bytes_as, wire_index_dtype
-from ssfusion_lightning.comm.traffic import Traffic, ring_allreduce_bytes
-from ssfusion_lightning.engine.plan import Buffer, Plan
-from ssfusion_lightning.fusion.base import Encoded
+from ssfusion_lightning.comm.traffic import Traffic
+from ssfusion_lightning.commcost import ring_allreduce_bytes
+from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 #: the reused threshold's grid: REUSE_RATIO ** j for j in [-REUSE_STEPS/2, REUSE_STEPS/2)
 REUSE_STEPS = 24
@@ -140,7 +140,7 @@ def rebalance_boundaries(indices: Tensor, numel: int, group, traffic: Traffic) -
     else:
         quantiles = (j * numel) // world
     dist.all_reduce(quantiles, group=group)
-    nbytes = ring_allreduce_bytes(world - 1, COUNT_BYTES, world)
+    nbytes = ring_allreduce_bytes((world - 1) * COUNT_BYTES, world)
     traffic.add(nbytes, nbytes)
     edges = torch.cat([quantiles.new_zeros(1), quantiles // world, quantiles.new_full((1,), numel)])
     return torch.cummax(edges.clamp(0, numel), 0).values

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ssfusion_lightning.comm.traffic import Traffic
+from ssfusion_lightning.commcost import COUNT_BYTES, POSITION_BYTES
 from ssfusion_lightning.registry import Registry
 
 
@@ -39,12 +40,10 @@ class SparseScheme(Protocol):
 
 SPARSE_SCHEMES: Registry[SparseScheme] = Registry("sparse allreduce scheme")
 
-#: counts and message headers travel as int64
-COUNT_BYTES = 8
-
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Sums of low-precision values are accumulated in fp32, then cast back once."""
+    """The dtype a sum of ``dtype`` values is accumulated in: fp32 for fp16 and bf16 (cast back
+    once at the end), ``dtype`` itself otherwise (integers stay exact)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
@@ -55,8 +54,9 @@ def wire_index_dtype(numel: int) -> torch.dtype:
 
 
 def index_bytes(numel: int) -> int:
-    """Bytes per position on the wire for a tensor of ``numel`` elements."""
-    return 4 if wire_index_dtype(numel) == torch.int32 else 8
+    """Bytes per position on the wire for a tensor of ``numel`` elements (``POSITION_BYTES``
+    below 2**31 elements)."""
+    return POSITION_BYTES if wire_index_dtype(numel) == torch.int32 else 8
 
 
 def bytes_as(chunk: Tensor, dtype: torch.dtype) -> Tensor:

@@ -27,10 +27,3 @@ class Traffic:
     def __iadd__(self, other: Traffic) -> Traffic:
         self.add(other.sent, other.received, other.padded_sent, other.padded_received)
         return self
-
-
-def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
-    """Bytes each rank sends (and receives) in a ring allreduce: 2(P-1)/P * n * v."""
-    if world_size <= 1:
-        return 0
-    return 2 * (world_size - 1) * numel * element_size // world_size

@@ -43,8 +43,7 @@ from ssfusion_lightning.comm.schemes import (
 from ssfusion_lightning.comm.traffic import Traffic
 from ssfusion_lightning.commcost import BufferShape, Links, sparcml_seconds, zen_seconds
 from ssfusion_lightning.costmodel import Link, measure_link
-from ssfusion_lightning.engine.plan import Buffer, Plan
-from ssfusion_lightning.fusion.base import Encoded
+from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 #: the hash seed every rank uses unless a communicator agrees on another one
 DEFAULT_SEED = 0x5EED2E4
@@ -301,36 +300,6 @@ def zen_scheme(
     """ZEN balanced parallelism with the default seed (every rank uses the same one); its count
     exchange is per destination partition, which a bound on the total does not replace."""
     return zen_sum(values, indices, numel, group, traffic, equal_counts, DEFAULT_SEED, votes)
-
-
-def zen_expected_bytes(
-    rank_indices: list[Tensor], total: Tensor, value_bytes: int, seed: int = DEFAULT_SEED
-) -> list[tuple[int, int]]:
-    """Exact (sent, received) bytes of ``zen_sum`` for each rank, from every rank's index set and
-    the summed dense result ``total`` (its nonzeros are the K of the formula).
-
-    The per-rank form of the section-7 formula (P-1)/P * [k(v+x) + K*v + n/8] (bitmap), with the
-    COO alternative K*(v+x) for sparse partitions: push pairs that leave / reach the rank, the
-    owner's bitmap-or-COO message to the P-1 others, and the two count exchanges (8 bytes per peer).
-    """
-    world = len(rank_indices)
-    if world == 1:
-        return [(0, 0)]
-    numel = total.numel()
-    part = zen_partition(numel, world, seed)
-    xbytes = index_bytes(numel)
-    pair = xbytes + value_bytes
-    push = torch.stack([torch.bincount(zen_owner(i.to(torch.int64), world, seed), minlength=world) for i in rank_indices])
-    nonzero = torch.nonzero(total.reshape(-1) != 0).view(-1)
-    per_owner = torch.bincount(zen_owner(nonzero, world, seed), minlength=world).tolist()
-    msg = [pull_message_bytes(part.sizes[j], per_owner[j], value_bytes, xbytes)[0] for j in range(world)]
-    out = []
-    for r in range(world):
-        small = 2 * (world - 1) * COUNT_BYTES
-        sent = small + (int(push[r].sum()) - int(push[r, r])) * pair + (world - 1) * msg[r]
-        received = small + (int(push[:, r].sum()) - int(push[r, r])) * pair + sum(msg) - msg[r]
-        out.append((sent, received))
-    return out
 
 
 # --------------------------------------------------------------------------- the communicator

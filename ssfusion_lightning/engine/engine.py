@@ -10,6 +10,9 @@ buffer is complete and every earlier one has launched, its small sparse tensors 
 ``BATCH_BELOW`` elements, whose selection costs mostly its fixed overhead) are selected together
 in one batched call, then its pieces are packed in slot order and launched. Whole-buffer policies
 (``behind``) compress the complete buffer instead.
+
+Beside this module: a round's state (``round.py``, made afresh for every round), the control
+agreements that end a round (``agreement.py``), and the state checkpoints keep (``state.py``).
 """
 
 from __future__ import annotations
@@ -29,18 +32,20 @@ from torch import Tensor, nn
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet, Communicator, PendingReduction, Reduced
 from ssfusion_lightning.comm.base import CommContext
 from ssfusion_lightning.comm.channels import Completed
-from ssfusion_lightning.comm.traffic import ring_allreduce_bytes
-from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link
+from ssfusion_lightning.commcost import ring_allreduce_bytes
+from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link, measure_serial_cpu
 from ssfusion_lightning.engine import state as engine_state
+from ssfusion_lightning.engine.agreement import Agreement, NonFiniteVote, vote_route
 from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
-from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, Slot
-from ssfusion_lightning.engine.timeline import Timeline
-from ssfusion_lightning.fusion import CompressContext, Encoded, FusionPolicy, PlanContext
+from ssfusion_lightning.engine.round import Round
+from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
+from ssfusion_lightning.timeline import Timeline
+from ssfusion_lightning.vocabulary import Buffer, Encoded, ParamSpec, Plan, Slot
 
 
 @dataclass
@@ -69,6 +74,9 @@ NONFINITE_POLICIES = ("raise", "skip")
 #: (one batched selection, ``Sparsifier.select_many``): a selection's fixed cost dominates theirs,
 #: while a larger tensor's selection pays for itself in its hook, hidden behind the backward
 BATCH_BELOW = 1 << 16
+#: ``offload="auto"`` offloads nothing when more than this share of a worker thread's CPU work
+#: delays the main thread (a rank with one core: measured 35 ms more per step on resnet18 at P = 2)
+SERIAL_OFFLOAD_LIMIT = 0.5
 
 def dense_version(plan: Plan) -> Plan:
     """The same buffers with every tensor sent dense (warm-up steps)."""
@@ -184,9 +192,7 @@ class FusionEngine:
         self.metrics = StepMetrics()
         self._hooks: list[Any] = []
         self._failed = False
-        self._accumulating = False
-        self._restored_accumulation: dict[str, Tensor] | None = None
-        self._loss_scale: Tensor | None = None  # the round's, taken at its first launch
+        self._accumulated = engine_state.AccumulatedGradients()
         self._dense_storage: dict[tuple[int, int], Tensor] = {}
         # Like DDP: the first round runs in registration order, then the plan is rebuilt once
         # from the gradient-ready order rank 0 observed (DDP skips this with find_unused_parameters).
@@ -256,7 +262,7 @@ class FusionEngine:
         self._dense_storage.clear()
         self.communicator.set_plan(plan)
         self._offloaded = self._decide_offload(plan)
-        self._reset_round()
+        self._new_round()
 
     def _whole_tensor_slot(self, position: int) -> Slot:
         """A sparse-gradient parameter's slot: sparse, any of its elements may be sent."""
@@ -268,6 +274,8 @@ class FusionEngine:
         sparse one; auto: the greedy rule on agreed costs (none before them)."""
         if self.offloader is None or (self.config.offload == "auto" and self.costs is None):
             return frozenset()
+        if self.config.offload == "auto" and self.costs.serial_cpu > SERIAL_OFFLOAD_LIMIT:
+            return frozenset()  # the worker would take its CPU from the backward, plus the hand-offs
         if self.config.offload != "auto":
             return frozenset(slot.param for buffer in plan.buffers for slot in buffer.sparse_slots)
         decide = offload_decisions if self.policy.per_tensor else buffer_offload_decisions
@@ -280,15 +288,11 @@ class FusionEngine:
     def begin_backward(self) -> None:
         self.timeline.step = self.step
         self.timeline.mark("backward.begin")
-        if self._restored_accumulation is not None:
-            for position, (name, param) in enumerate(zip(self.names, self.params)):
-                grad = self._restored_accumulation.get(name)
-                param.grad = None if grad is None else grad.to(param.device)
-                self._used_unsynced[position] = grad is not None
-            self._restored_accumulation = None
-            self._accumulating = True
+        held = self._accumulated.put_back(self.names, self.params)
+        if held is not None:
+            self._round.used_unsynced[:] = held
         if not self.sync_enabled:
-            self._accumulating = True  # local gradients pile up until the synchronized backward
+            self._accumulated.pending = True  # local gradients pile up until the synchronized backward
         elif self.profiling:
             self._profiler.begin_backward()
 
@@ -311,76 +315,51 @@ class FusionEngine:
             if self.sync_enabled:
                 self._mark_ready(position)
             else:
-                self._used_unsynced[position] = True
+                self._round.used_unsynced[position] = True
 
         return hook
 
-    def _participates(self, position: int) -> bool:
-        """Whether a backward since the last synchronized round reached the parameter. One that no
-        backward reached (another optimizer's, in manual optimization) holds no gradient of this
-        round, whatever its ``.grad`` says: it sends zeros and keeps its error feedback as it is."""
-        return self._used[position] or self._used_unsynced[position]
-
-    def _reset_round(self) -> None:
+    def _new_round(self) -> None:
         plan = self.active_plan
-        # A sparse plan needs every rank to know whether any rank's gradients were non-finite.
-        # When the last buffer has a dense part, packed after every other tensor was compressed,
-        # the vote rides at its end (one entry per rank) instead of taking a round of its own;
-        # otherwise in its sparse exchange, where the communicator carries one flag per rank to
-        # every rank (in a count header it sends anyway). Per-tensor policies pack the last
-        # buffer on the offload worker behind every offloaded selection; a whole buffer
-        # offloaded ahead of the last may finish its check after the last one is packed.
-        rides = plan.sparse_numel > 0 and (self.policy.per_tensor or not self._offloaded)
-        self._vote_in_dense = rides and plan.buffers[-1].dense_numel > 0 and self.communicator.sums_dense
-        self._vote_in_sparse = rides and not self._vote_in_dense and self.communicator.carries_votes(plan.buffers[-1])
+        route = vote_route(plan, self.communicator, self.policy.per_tensor, offloads=bool(self._offloaded))
+        vote = NonFiniteVote(route, len(plan.buffers) - 1, self.world_size, self.channels[0])
         # the round's buffers: the policy's plan, then one per sparse-gradient parameter
-        self._buffers = plan.buffers + self._coo_buffers
-        self._missing = [len(b.slots) for b in self._buffers]
-        self._pieces: list[list[Any]] = [[None] * len(b.slots) for b in self._buffers]
-        self._used = [False] * len(self.params)
-        # parameters a backward reached since the last synchronized round (accumulation)
-        self._used_unsynced = [False] * len(self.params)
-        self._ready_order: list[int] = []
-        self._finite: list[Tensor] = []
-        self._sparsifier_snapshot: dict[str, Any] | None = None  # taken before the round's first selection
-        self._next = 0
-        self._pending: list[tuple[Buffer, PendingReduction, Encoded]] = []
+        self._round = Round(plan.buffers + self._coo_buffers, len(self.params), ErrorFeedback(self.memory), vote)
 
     def _mark_ready(self, position: int) -> None:
-        if self._used[position]:
+        current = self._round
+        if current.used[position]:
             return
-        self._used[position] = True
-        self._ready_order.append(position)
+        current.used[position] = True
+        current.ready_order.append(position)
         if self.profiling:
             self._profiler.ready(self.names[position])
         buffer_index, slot_index = self._slot_of[position]
-        if self.policy.per_tensor and position not in self._coo and not self._batched(self._buffers[buffer_index].slots[slot_index]):
-            self._compress_slot(self._buffers[buffer_index], slot_index)
+        buffer = current.buffers[buffer_index]
+        if self.policy.per_tensor and position not in self._coo and not self._batched(buffer.slots[slot_index]):
+            self._compress_slot(buffer, slot_index)
             if self.profiling:
                 self._profiler.resume()  # main-thread compression is not backward time
-        self._missing[buffer_index] -= 1
+        current.missing[buffer_index] -= 1
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        buffers = self._buffers
-        while self._next < len(buffers) and self._missing[self._next] == 0:
+        current = self._round
+        while current.next < len(current.buffers) and current.missing[current.next] == 0:
             if self.profiling:
                 started = time.perf_counter()
-                self._launch(buffers[self._next])
+                self._launch(current.buffers[current.next])
                 self._profiler.launched(time.perf_counter() - started)
                 self._profiler.resume()  # the launch is not backward time
             else:
-                self._launch(buffers[self._next])
-            self._next += 1
+                self._launch(current.buffers[current.next])
+            current.next += 1
 
     # ---------------------------------------------------------------- buffer -> sparsify -> communicate
-    def _carries_vote(self, buffer: Buffer) -> bool:
-        return (self._vote_in_dense or self._vote_in_sparse) and buffer.index == len(self.active_plan.buffers) - 1
-
     def _dense_out(self, buffer: Buffer) -> Tensor | None:
         if buffer.dense_numel == 0:
             return None
-        numel = buffer.dense_numel + (self.world_size if self._vote_in_dense and self._carries_vote(buffer) else 0)
+        numel = buffer.dense_numel + (self.world_size if self._round.vote.rides_in_dense(buffer) else 0)
         key = (buffer.index, numel)
         out = self._dense_storage.get(key)
         if out is None:
@@ -392,20 +371,18 @@ class FusionEngine:
     def _grad(self, position: int) -> Tensor | None:
         """This round's gradient of a parameter; None for one no backward reached since the last
         round (another optimizer's, in manual optimization): it sends zeros, error feedback untouched."""
-        grad = self.params[position].grad if self._participates(position) else None
+        grad = self.params[position].grad if self._round.participates(position) else None
         # a sparse gradient from a module not recognised as such (F.embedding(sparse=True)): sent like any dense one
         return grad.to_dense() if grad is not None and grad.is_sparse else grad
 
     def _context(self, buffer: Buffer) -> CompressContext:
-        if self._sparsifier_snapshot is None:
+        if self._round.sparsifier_snapshot is None:
             # selection may move thresholds: restore them if this round is dropped as non-finite
-            self._sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
-            self._loss_scale = self._current_loss_scale()
+            self._round.sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
+            self._round.feedback.loss_scale = self._current_loss_scale()
         on_selected = self._profiler.compressed if self.profiling else None
         like = self.params[buffer.slots[0].param]
-        return CompressContext(
-            self.sparsifier, self.memory, 1.0 / self.world_size, on_selected, self._loss_scale, like.dtype, like.device
-        )
+        return CompressContext(self.sparsifier, self._round.feedback, 1.0 / self.world_size, on_selected, like.dtype, like.device)
 
     def _compress_slot(self, buffer: Buffer, j: int) -> None:
         """Sparsification ahead of fusion: one tensor, as soon as its gradient is ready, here or on
@@ -415,9 +392,9 @@ class FusionEngine:
         if grad is not None and slot.param in self._offloaded:
             if self.offloader.stages_on_host:
                 grad = self.offloader.stage(slot.param, [grad])[0]
-            self._pieces[buffer.index][j] = self.offloader.submit(self._timed_slot, slot, grad, dense_out, ctx, True)
+            self._round.pieces[buffer.index][j] = self.offloader.submit(self._timed_slot, slot, grad, dense_out, ctx, True)
         else:
-            self._pieces[buffer.index][j] = self._timed_slot(slot, grad, dense_out, ctx, False)
+            self._round.pieces[buffer.index][j] = self._timed_slot(slot, grad, dense_out, ctx, False)
 
     def _timed_slot(
         self, slot: Slot, grad: Tensor | None, dense_out: Tensor | None, ctx: CompressContext, offloaded: bool
@@ -425,7 +402,7 @@ class FusionEngine:
         started = time.perf_counter()
         with self.timeline.span("select", self._slot_of[slot.param][0], slot.name):
             if slot.sparse and grad is not None:
-                self._finite.append(all_finite([grad]))
+                self._round.vote.note(all_finite([grad]))
             piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
         elapsed = time.perf_counter() - started
         if offloaded:
@@ -442,9 +419,9 @@ class FusionEngine:
         else:
             self._compress_rest(buffer)
             if self.offloader is None:
-                self._pending.append(self._pack_and_launch(buffer))
+                self._round.launched.append(self._pack_and_launch(buffer))
             else:  # behind the buffer's offloaded pieces, and launches keep plan order on the channels
-                self._pending.append(self.offloader.submit(self._pack_and_launch, buffer))
+                self._round.launched.append(self.offloader.submit(self._pack_and_launch, buffer))
 
     def _batched(self, slot: Slot) -> bool:
         """Whether a tensor waits for its buffer's batched selection instead of its own in the hook."""
@@ -454,7 +431,7 @@ class FusionEngine:
         """The buffer's pieces not made in the hooks: its small sparse tensors, in one batched
         selection, and those with no gradient on this rank (they send zeros, so every rank issues
         alike)."""
-        pieces, batch, grads = self._pieces[buffer.index], [], []
+        pieces, batch, grads = self._round.pieces[buffer.index], [], []
         for j, slot in enumerate(buffer.slots):
             if pieces[j] is None:
                 grad = self._grad(slot.param) if self._batched(slot) else None
@@ -469,14 +446,14 @@ class FusionEngine:
         ctx = self._context(buffer)
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
-            self._finite.append(all_finite(grads))
+            self._round.vote.note(all_finite(grads))
             for j, piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
                 pieces[j] = piece
         self.metrics.compress_seconds += time.perf_counter() - started
 
     def _pack_and_launch(self, buffer: Buffer):
         """Runs after every piece of the buffer: the worker is FIFO, so offloaded pieces are done."""
-        pieces = [piece.result() if isinstance(piece, Future) else piece for piece in self._pieces[buffer.index]]
+        pieces = [piece.result() if isinstance(piece, Future) else piece for piece in self._round.pieces[buffer.index]]
         with self.timeline.span("pack", buffer.index):
             encoded = self.policy.pack(buffer, pieces, self._dense_out(buffer), self._context(buffer))
             encoded = self._finish_encoding(buffer, encoded)
@@ -488,15 +465,15 @@ class FusionEngine:
         if self.offloader is not None and buffer.slots[0].param in self._offloaded:
             if self.offloader.stages_on_host:
                 grads = [None if g is None else self.offloader.stage(slot.param, [g])[0] for slot, g in zip(buffer.slots, grads)]
-            self._pending.append(self.offloader.submit(self._compress_and_launch, buffer, grads))
+            self._round.launched.append(self.offloader.submit(self._compress_and_launch, buffer, grads))
         else:
             self._submit_launch(buffer, self._compress_buffer(buffer, grads))
 
     def _submit_launch(self, buffer: Buffer, encoded: Encoded) -> None:
         if self.offloader is None:
-            self._pending.append(self._launch_encoded(buffer, encoded))
+            self._round.launched.append(self._launch_encoded(buffer, encoded))
         else:  # launches still go through the worker, so channels see buffers in plan order
-            self._pending.append(self.offloader.submit(self._launch_encoded, buffer, encoded))
+            self._round.launched.append(self.offloader.submit(self._launch_encoded, buffer, encoded))
 
     def _current_loss_scale(self) -> Tensor | None:
         """The factor this round's gradients carry: the tensor the scaler multiplied the loss by.
@@ -510,7 +487,7 @@ class FusionEngine:
         (the whole of a dense one, when the weight is also used densely, e.g. tied to a head);
         none where no backward reached it on this rank."""
         param = self.params[slot.param]
-        grad = param.grad if self._participates(slot.param) else None
+        grad = param.grad if self._round.participates(slot.param) else None
         if grad is None:
             values = param.new_empty(0)
             indices = torch.empty(0, dtype=torch.int64, device=param.device)
@@ -529,7 +506,7 @@ class FusionEngine:
         with self.timeline.span("select", buffer.index):
             sparse = [g for slot, g in zip(buffer.slots, grads) if slot.sparse and g is not None]
             if sparse:
-                self._finite.append(all_finite(sparse))
+                self._round.vote.note(all_finite(sparse))
             encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context(buffer))
         self.metrics.compress_seconds += time.perf_counter() - started
         return self._finish_encoding(buffer, encoded)
@@ -538,12 +515,13 @@ class FusionEngine:
         return self._launch_encoded(buffer, self._compress_buffer(buffer, grads))
 
     def _finish_encoding(self, buffer: Buffer, encoded: Encoded) -> Encoded:
-        if self._vote_in_dense and self._carries_vote(buffer):
-            self._health_vector(out=encoded.dense[buffer.dense_numel :])
+        vote = self._round.vote
+        if vote.rides_in_dense(buffer):
+            vote.vector(out=encoded.dense[buffer.dense_numel :])
         if encoded.values is not None and encoded.values.device != self.channels.device:
             encoded = to_device(encoded, self.channels.device)  # selected on pinned host memory
-        if self._vote_in_sparse and self._carries_vote(buffer):
-            encoded.votes = self._health_vector()  # every rank's flag once the buffer is reduced
+        if vote.rides_in_sparse(buffer):
+            encoded.votes = vote.vector()  # every rank's flag once the buffer is reduced
         return encoded
 
     def _launch_encoded(self, buffer: Buffer, encoded: Encoded) -> tuple[Buffer, PendingReduction, Encoded]:
@@ -562,58 +540,81 @@ class FusionEngine:
 
     # ---------------------------------------------------------------- write gradients
     def finish(self) -> StepMetrics:
-        """Launch what is left (missing gradients count as zeros), wait, decode, write ``.grad``."""
+        """The end of a synchronized backward: launch what is left (missing gradients count as
+        zeros), agree, wait, drop the round where a gradient was non-finite, else write the error
+        feedback and ``.grad``; then the next round begins, on a new plan when one is due."""
         self.timeline.mark("backward.end")
         if not self.sync_enabled:
             return self.metrics
-        buffers = self._buffers
-        while self._next < len(buffers):
-            self._launch(buffers[self._next])
-            self._next += 1
-        # Every buffer must be on its channels before the control collectives are queued behind
-        # them, or ranks could queue them in different orders: drain the offload worker first.
-        self._accumulating = False
-        launched = [self._settle(item, "compress and launch") for item in self._pending]
-        # Only sparse slots need a vote: a dense sum carries any rank's NaN/Inf to every rank, so
-        # the reduced dense parts are checked instead, at no extra round.
-        vote_round = self.active_plan.sparse_numel and not (self._vote_in_dense or self._vote_in_sparse)
-        health = self.channels[0].submit(_allreduce_max, self._health_vector()) if vote_round else None
-        usage = self._agree_on_usage() if self.config.find_unused_parameters else None
-        ready_order = self._agree_on_ready_order() if self._rebuild_from_ready_order else None
+        self._accumulated.pending = False
+        launched = self._launch_rest()
+        agreement = self._agree()
         started = time.perf_counter()
         results = [(buffer, self._wait(buffer, pending), encoded) for buffer, pending, encoded in launched]
-        if self._vote_in_dense:
-            last, reduced, _ = results[len(self.active_plan.buffers) - 1]
-            votes = reduced.dense[last.dense_numel :]
-        elif self._vote_in_sparse:
-            votes = results[len(self.active_plan.buffers) - 1][2].votes
-        else:
-            votes = self._settle(health, "non-finite check") if health is not None else None
-        unhealthy = [rank for rank, flag in enumerate(votes.tolist()) if flag] if votes is not None else []
-        globally_used = self._settle(usage, "unused-parameter agreement").tolist() if usage is not None else None
+        unhealthy = agreement.unhealthy(results)
+        globally_used = agreement.used()
         self.metrics.exposed_comm_seconds += time.perf_counter() - started
-        if unhealthy:
-            return self._drop_round(f"on rank(s) {unhealthy}", globally_used)
-        # exact sums carry any rank's NaN/Inf to every rank: dense parts and sparse gradients
-        summed = [reduced.dense for _, reduced, _ in results if reduced.dense is not None]
-        coo_sums = [reduced.sparse for buffer, reduced, _ in results if buffer.slots[0].param in self._coo]
-        if not bool(all_finite(summed + coo_sums)):
-            own = "finite" if bool(all_finite(_local_gradients(self.params))) else "non-finite"
-            where = "all-reduced dense gradients" + (" or the summed sparse gradients" if coo_sums else "")
-            return self._drop_round(f"in the {where} (this rank's own were {own})", globally_used)
+        nonfinite = self._nonfinite(results, unhealthy)
+        if nonfinite is not None:
+            return self._drop_round(nonfinite, globally_used)
         for buffer, reduced, encoded in results:
             with self.timeline.span("write", buffer.index):
-                self._update_memory(encoded, reduced)  # from the round's gradients, before they are overwritten
+                # error feedback from the round's gradients, before they are overwritten
+                self._round.feedback.commit(encoded.updates, reduced.applied)
                 self._write_gradients(buffer, reduced, globally_used)
             self._count_traffic(buffer, reduced)
+        metrics = self._end_step()
+        self._next_round(agreement)
+        return metrics
+
+    def _launch_rest(self) -> list[tuple[Buffer, PendingReduction, Encoded]]:
+        """Launch the buffers not launched yet, then wait until every buffer is on its channels:
+        the control collectives queue behind them, and ranks must queue them in the same order,
+        so the offload worker is drained first."""
+        current = self._round
+        while current.next < len(current.buffers):
+            self._launch(current.buffers[current.next])
+            current.next += 1
+        return [self._settle(item, "compress and launch") for item in current.launched]
+
+    def _agree(self) -> Agreement:
+        """The round's control agreements, queued behind its buffers (see ``agreement.py``)."""
+        current, count = self._round, len(self.params)
+        used = [current.participates(i) for i in range(count)] if self.config.find_unused_parameters else None
+        ready_order = current.ready_order if self._rebuild_from_ready_order else None
+        return Agreement(self.channels[0], self._settle, current.vote, count, used, ready_order)
+
+    def _nonfinite(self, results: list[tuple[Buffer, Reduced, Encoded]], unhealthy: list[int]) -> str | None:
+        """Where a non-finite gradient showed this round; None where none did. Sparse selections
+        are voted on (``unhealthy``: the ranks that saw one); exact sums carry any rank's NaN/Inf
+        to every rank, so the dense parts and the summed sparse gradients are checked."""
+        if unhealthy:
+            return f"on rank(s) {unhealthy}"
+        summed = [reduced.dense for _, reduced, _ in results if reduced.dense is not None]
+        coo_sums = [reduced.sparse for buffer, reduced, _ in results if buffer.slots[0].param in self._coo]
+        if bool(all_finite(summed + coo_sums)):
+            return None
+        own = "finite" if bool(all_finite(_local_gradients(self.params))) else "non-finite"
+        where = "all-reduced dense gradients" + (" or the summed sparse gradients" if coo_sums else "")
+        return f"in the {where} (this rank's own were {own})"
+
+    def _end_step(self) -> StepMetrics:
+        """The round is written: the sparsifier moves on, the step counts, and its metrics are handed out."""
         self.sparsifier.advance()
         self.metrics.requested_density = self.sparsifier.density if self.step >= self.config.warmup_steps else 1.0
         self.step += 1
-        density_changed = self._apply_density_schedule()
         metrics, self.metrics = self.metrics, StepMetrics()
+        return metrics
+
+    def _next_round(self, agreement: Agreement) -> None:
+        """A new round, on a new plan where one is due: from rank 0's gradient-ready order (after
+        the first round), from the agreed costs (once the profiled rounds are over), or at the
+        density the schedule asks for."""
+        density_changed = self._apply_density_schedule()
+        ready_order = agreement.ready_order()
         if ready_order is not None:
             self._rebuild_from_ready_order = False
-            self.order = self._settle(ready_order, "ready-order agreement").tolist()
+            self.order = ready_order
             self.set_plan(self._build_plan(self.order))
         elif self._profiler is not None and self.step == self._profile_end:
             self.costs = self._settle(self.channels[0].submit(self._agree_costs), "cost-model agreement")
@@ -622,8 +623,7 @@ class FusionEngine:
         elif density_changed:
             self.set_plan(self._build_plan(self.order, self.costs))
         else:
-            self._reset_round()
-        return metrics
+            self._new_round()
 
     def _agree_costs(self, group: dist.ProcessGroup | None) -> CostProfile:
         """Measure the links on this group, then take every number's max over the ranks."""
@@ -635,25 +635,17 @@ class FusionEngine:
             links["cross"] = measure_link("allgather", hierarchy.cross, device)
         local = self._profiler.local_vector(self.channels.cpu_seconds_per_job())
         spread = self.communicator.selection_spread(self.world_size)
-        return agree(local, self.names, links, self.world_size, group, device, 1.0 if spread is None else spread)
-
-    def _health_vector(self, out: Tensor | None = None) -> Tensor:
-        """One entry per rank, 1 at this rank when any of its gradients this round was non-finite
-        (written without a host sync, so a vote riding in a dense part does not stall the launch)."""
-        vector = torch.zeros(self.world_size, dtype=torch.uint8, device=self.channels.device) if out is None else out.zero_()
-        if self._finite:
-            rank = dist.get_rank(self.channels[0].group) if self.world_size > 1 else 0
-            vector[rank] = torch.logical_not(torch.stack(self._finite).all()).to(vector.dtype)
-        return vector
+        spread = 1.0 if spread is None else spread
+        return agree(local, self.names, links, self.world_size, group, device, spread, measure_serial_cpu())
 
     def _drop_round(self, where: str, globally_used: list[int] | None) -> StepMetrics:
         """Every rank drops the round alike: error feedback and thresholds untouched, and either
         no gradient written or, with a GradScaler, inf in every gradient the round would have
         written, so that the scaler skips the step and lowers its scale."""
-        if self._sparsifier_snapshot is not None:
-            self.sparsifier.load_state_dict(self._sparsifier_snapshot)
+        if self._round.sparsifier_snapshot is not None:
+            self.sparsifier.load_state_dict(self._round.sparsifier_snapshot)
         step = self.step
-        self._reset_round()
+        self._new_round()
         if self._current_loss_scale() is not None:
             for position, param in enumerate(self.params):
                 if globally_used is None or globally_used[position]:
@@ -703,19 +695,6 @@ class FusionEngine:
             self._failed = True
             raise CommunicationError(f"ssfusion: step {self.step}: {what} failed: {error}") from error
 
-    def _agree_on_ready_order(self) -> Future:
-        """Rank 0's gradient-ready order (parameters it never saw last, in backward order)."""
-        seen = set(self._ready_order)
-        order = self._ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
-        return self.channels[0].submit(_broadcast_from_rank0, torch.tensor(order, dtype=torch.int64, device=self.channels.device))
-
-    def _agree_on_usage(self) -> Future:
-        """DDP's find_unused_parameters: a parameter no rank used (in any micro-batch since the last
-        synchronized round) keeps ``.grad`` untouched."""
-        used = [self._participates(position) for position in range(len(self.params))]
-        used = torch.tensor(used, dtype=torch.uint8, device=self.channels.device)
-        return self.channels[0].submit(_allreduce_max, used)
-
     def _write_gradients(self, buffer: Buffer, reduced: Reduced, globally_used: list[int] | None) -> None:
         for slot in buffer.slots:
             param = self.params[slot.param]
@@ -731,16 +710,6 @@ class FusionEngine:
             else:
                 param.grad.copy_(value)
 
-    def _update_memory(self, encoded: Encoded, reduced: Reduced) -> None:
-        for update in encoded.updates:
-            sent = update.sent
-            if sent is None:
-                self.memory.settle_dense(update.key, update.grad, loss_scale=self._loss_scale)
-                continue
-            if reduced.applied is not None:
-                sent = sent[torch.isin(sent + update.offset, reduced.applied.to(sent.device))]
-            self.memory.update(update.key, update.grad, sent, loss_scale=self._loss_scale)
-
     def _count_traffic(self, buffer: Buffer, reduced: Reduced) -> None:
         t = reduced.traffic
         self.metrics.bytes_sent += t.sent
@@ -748,17 +717,11 @@ class FusionEngine:
         self.metrics.padded_bytes_sent += t.padded_sent
         self.metrics.padded_bytes_received += t.padded_received
         element = self.params[buffer.slots[0].param].element_size()
-        self.metrics.dense_equivalent_bytes += ring_allreduce_bytes(buffer.numel, element, self.world_size)
+        self.metrics.dense_equivalent_bytes += int(ring_allreduce_bytes(buffer.numel * element, self.world_size))
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """This rank's state in checkpoint format: tensors and plain values only (see ``state.py``)."""
-        accumulated = (
-            # saved in the middle of gradient accumulation: the local sum so far (Lightning saves no .grad)
-            {n: p.grad.detach().cpu().clone() for n, p in zip(self.names, self.params) if p.grad is not None}
-            if self._accumulating
-            else None
-        )
         return {
             "format": engine_state.FORMAT,
             "step": self.step,
@@ -768,27 +731,14 @@ class FusionEngine:
             "sparsifier": engine_state.plain(self.sparsifier.state_dict(), "sparsifier state"),
             "memory": engine_state.plain(self.memory.state_dict(), "memory state"),
             "communicator": engine_state.plain(self.communicator.state_dict(), "communicator state"),
-            "accumulated": accumulated,
+            "accumulated": self._accumulated.saved(self.names, self.params),
         }
 
     def check_state(self, state: Any) -> dict[str, Any]:
         """Refuse a state that is corrupted or belongs to another model, with a clear error; return
         it in the current format (an older format is migrated)."""
-        state = engine_state.upgrade(state)
-        if not isinstance(state["step"], int) or not isinstance(state["order"], list):
-            raise ValueError("corrupted engine state: 'step' must be an int and 'order' a list")
-        plan = engine_state.decode_plan(state["plan"])
-        saved = sorted((s.name, s.numel) for b in plan.buffers for s in b.slots)
-        ours = sorted((spec.name, spec.numel) for _, spec in self.specs(range(len(self.params))))
-        if saved != ours:
-            differing = sorted({n for n, _ in ours} ^ {n for n, _ in saved})[:5]
-            raise ValueError(
-                f"the checkpoint's engine state belongs to a different model (parameters differ, e.g. {differing})"
-            )
-        if sorted(state["order"]) != list(range(len(self.params))):
-            raise ValueError(f"corrupted engine state: 'order' is not a permutation of the {len(self.params)} parameters")
-        engine_state.decode_costs(state["costs"])
-        return state
+        planned = [(spec.name, spec.numel) for _, spec in self.specs(range(len(self.params)))]
+        return engine_state.check(state, planned, len(self.params))
 
     def load_state_dict(
         self, state: dict[str, Any], per_rank: bool = True, replan: bool = False, fresh: Collection[str] = ()
@@ -815,7 +765,7 @@ class FusionEngine:
         else:
             device = self.channels.device
             # Put back right before the next backward: Lightning clears .grad while it restarts.
-            self._restored_accumulation = state.get("accumulated") or None
+            self._accumulated.restore(state.get("accumulated"))
             if "sparsifier" not in fresh:
                 self.sparsifier.load_state_dict(_to_device(state["sparsifier"], device))
             self.memory.load_state_dict(_to_device(state["memory"], device))
@@ -866,11 +816,6 @@ def _local_gradients(params: Sequence[Tensor]) -> list[Tensor]:
     return [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
 
 
-def _broadcast_from_rank0(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    dist.broadcast(tensor, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return tensor
-
-
 def all_finite(tensors: list[Tensor]) -> Tensor:
     """A 0-d bool tensor (no host sync): min and max propagate NaN and +-Inf, and one aminmax pass
     costs a tenth of ``isfinite(t).all()`` on CPU."""
@@ -878,8 +823,3 @@ def all_finite(tensors: list[Tensor]) -> Tensor:
     if not bounds:
         return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
     return torch.isfinite(torch.stack(bounds)).all()
-
-
-def _allreduce_max(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor

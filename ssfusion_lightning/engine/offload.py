@@ -14,9 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ssfusion_lightning.fusion import Encoded
-
-MODES = ("none", "thread", "stream", "auto")
+from ssfusion_lightning.vocabulary import Encoded
 
 
 class Offloader:

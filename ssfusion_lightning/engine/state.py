@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ssfusion_lightning.costmodel import CostProfile, Link
-from ssfusion_lightning.engine.plan import Buffer, Plan, Slot
+from ssfusion_lightning.vocabulary import Buffer, Plan, Slot
 
 #: the checkpoint entry that holds every rank's engine state
 CHECKPOINT_KEY = "ssfusion_engine"
@@ -154,6 +154,63 @@ def upgrade(state: Any) -> dict[str, Any]:
     migrated = {key: plain(value, f"engine state[{key!r}]") for key, value in state.items() if key not in ("plan", "costs")}
     migrated.update(format=FORMAT, plan=encode_plan(state["plan"]), costs=encode_costs(state["costs"]))
     return migrated
+
+
+def check(state: Any, planned: Sequence[tuple[str, int]], num_params: int) -> dict[str, Any]:
+    """Refuse a state that is corrupted or belongs to another model, with a clear error; return it
+    in the current format (an older format is migrated). ``planned``: (name, numel) of every
+    parameter the model's plan holds; ``num_params``: how many parameters the engine has."""
+    state = upgrade(state)
+    if not isinstance(state["step"], int) or not isinstance(state["order"], list):
+        raise ValueError("corrupted engine state: 'step' must be an int and 'order' a list")
+    plan = decode_plan(state["plan"])
+    saved = sorted((s.name, s.numel) for b in plan.buffers for s in b.slots)
+    ours = sorted(planned)
+    if saved != ours:
+        differing = sorted({n for n, _ in ours} ^ {n for n, _ in saved})[:5]
+        raise ValueError(
+            f"the checkpoint's engine state belongs to a different model (parameters differ, e.g. {differing})"
+        )
+    if sorted(state["order"]) != list(range(num_params)):
+        raise ValueError(f"corrupted engine state: 'order' is not a permutation of the {num_params} parameters")
+    decode_costs(state["costs"])
+    return state
+
+
+class AccumulatedGradients:
+    """Gradient accumulation across a checkpoint. Lightning saves no ``.grad``: a checkpoint taken
+    between the micro-batches of one round keeps this rank's local sums so far, and a restored
+    one puts them back right before the next backward (Lightning clears ``.grad`` as it restarts)."""
+
+    def __init__(self) -> None:
+        #: local gradients pile up: a backward ran since the last synchronized round
+        self.pending = False
+        self._restored: dict[str, Tensor] | None = None
+
+    def saved(self, names: Sequence[str], params: Sequence[Tensor]) -> dict[str, Tensor] | None:
+        """What a checkpoint taken now keeps: the local sums by parameter name; None between rounds."""
+        if not self.pending:
+            return None
+        return {n: p.grad.detach().cpu().clone() for n, p in zip(names, params) if p.grad is not None}
+
+    def restore(self, saved: dict[str, Tensor] | None) -> None:
+        """Put ``saved`` (what ``saved`` returned) back right before the next backward."""
+        self._restored = saved or None
+
+    def put_back(self, names: Sequence[str], params: Sequence[Tensor]) -> list[bool] | None:
+        """Right before a backward: the restored sums into ``.grad``. Returns, per parameter, whether
+        it holds one (a backward reached it since the last synchronized round); None when nothing
+        was restored."""
+        if self._restored is None:
+            return None
+        held = []
+        for name, param in zip(names, params):
+            grad = self._restored.get(name)
+            param.grad = None if grad is None else grad.to(param.device)
+            held.append(grad is not None)
+        self._restored = None
+        self.pending = True
+        return held
 
 
 # ---------------------------------------------------------------- transport to rank 0

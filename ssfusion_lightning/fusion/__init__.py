@@ -8,9 +8,8 @@ import pkgutil
 from ssfusion_lightning.fusion.base import (
     FUSION_POLICIES,
     CompressContext,
-    Encoded,
+    ErrorFeedback,
     FusionPolicy,
-    PendingUpdate,
     PlanContext,
 )
 
@@ -25,9 +24,8 @@ def available_fusion_policies() -> list[str]:
 __all__ = [
     "FUSION_POLICIES",
     "CompressContext",
-    "Encoded",
+    "ErrorFeedback",
     "FusionPolicy",
-    "PendingUpdate",
     "PlanContext",
     "available_fusion_policies",
 ]

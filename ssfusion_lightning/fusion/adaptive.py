@@ -13,8 +13,8 @@ import math
 from typing import Sequence
 
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan
 from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, make_slots, planned_k
+from ssfusion_lightning.vocabulary import Buffer, ParamSpec, Plan
 
 
 def buffer_seconds(items: Sequence[tuple[int, ParamSpec]], costs: CostProfile, sparsifier) -> tuple[float, float]:

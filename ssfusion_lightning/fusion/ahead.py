@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ssfusion_lightning.engine.plan import ParamSpec, Plan
 from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, cut_plan, planned_k
+from ssfusion_lightning.vocabulary import ParamSpec, Plan
 
 
 @FUSION_POLICIES.register("ahead")

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import Tensor
 
-from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan, Slot
 from ssfusion_lightning.fusion.cut import cut_buffers
 from ssfusion_lightning.registry import Registry
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier, k_for
+from ssfusion_lightning.vocabulary import Buffer, Encoded, ParamSpec, PendingUpdate, Plan, Slot
 
 
 @dataclass
@@ -31,54 +31,48 @@ class PlanContext:
 
 
 @dataclass
-class PendingUpdate:
-    """An error-feedback update that waits for the communication result (Ok-Topk filters it). It
-    holds the round's gradient, not the compensated tensor: the memory recomputes that in place
-    when the round commits, so no copy the size of the gradients outlives its selection."""
+class ErrorFeedback:
+    """The error-feedback pair of one round, in one place. Before its selection a tensor is
+    compensated (its gradient plus what earlier rounds did not send: the fusion policy calls
+    ``compensate``); once the round's result is in, the memory keeps what was not sent (the engine
+    calls ``commit`` as it writes the gradients)."""
 
-    key: str
-    grad: Tensor
-    sent: Tensor | None  # flat positions in the compensated tensor; None: a dense slot sent it whole
-    offset: int  # where the tensor starts in the buffer's part (sparse or dense)
-
-
-@dataclass
-class Encoded:
-    """One buffer, ready to send: the dense part and the sparse part, both already scaled by 1/P."""
-
-    dense: Tensor | None
-    values: Tensor | None
-    indices: Tensor | None  # int64 positions in the buffer's sparse part
-    updates: list[PendingUpdate] = field(default_factory=list)
-    #: every rank sends the same count (no size exchange needed)
-    equal_counts: bool = False
-    #: no rank sends more elements than this (the plan's k, for sparsifiers that never exceed k)
-    max_count: int | None = None
-    #: every rank selected the same positions (randomk): the values can be all-reduced
-    shared_indices: bool = False
-    #: the engine's non-finite vote riding in this buffer's sparse exchange: a uint8 vector, one
-    #: entry per rank, this rank's flag set; the communicator fills in every rank's flag in place
-    votes: Tensor | None = None
-
-
-@dataclass
-class CompressContext:
-    sparsifier: Sparsifier
     memory: Memory
-    scale: float  # 1 / world size, applied while packing as DDP does
-    #: called with (numel, seconds) for every selection while the engine profiles
-    on_selected: Callable[[int, float], None] | None = None
-    #: the factor this round's gradients carry (a GradScaler's scale, 0-d tensor), None without one
+    #: the factor this round's gradients carry (a GradScaler's scale, 0-d tensor), None without one;
+    #: the memory keeps its state unscaled. Taken at the round's first selection.
     loss_scale: Tensor | None = None
-    #: dtype and device of the buffer's gradients (the zeros an idle parameter sends)
-    dtype: torch.dtype = torch.float32
-    device: torch.device | None = None
 
     def compensate(self, key: str, grad: Tensor) -> Tensor:
         return self.memory.compensate(key, grad, loss_scale=self.loss_scale)
 
     def compensate_dense(self, key: str, grad: Tensor) -> Tensor | None:
+        """A tensor sent dense: its gradient plus any state it still owes; None when it owes none."""
         return self.memory.compensate_dense(key, grad, loss_scale=self.loss_scale)
+
+    def commit(self, updates: Sequence[PendingUpdate], applied: Tensor | None) -> None:
+        """The round's result is in: keep what was not sent. ``applied``: the positions in the
+        buffer's sparse part that the result applied (Ok-Topk keeps about k of the sum); None when
+        everything sent was applied."""
+        for update in updates:
+            sent = update.sent
+            if sent is None:
+                self.memory.settle_dense(update.key, update.grad, loss_scale=self.loss_scale)
+                continue
+            if applied is not None:
+                sent = sent[torch.isin(sent + update.offset, applied.to(sent.device))]
+            self.memory.update(update.key, update.grad, sent, loss_scale=self.loss_scale)
+
+
+@dataclass
+class CompressContext:
+    sparsifier: Sparsifier
+    feedback: ErrorFeedback
+    scale: float  # 1 / world size, applied while packing as DDP does
+    #: called with (numel, seconds) for every selection while the engine profiles
+    on_selected: Callable[[int, float], None] | None = None
+    #: dtype and device of the buffer's gradients (the zeros an idle parameter sends)
+    dtype: torch.dtype = torch.float32
+    device: torch.device | None = None
 
     def select(self, compensated: Tensor, key: str, k: int) -> tuple[Tensor, Tensor]:
         if self.on_selected is None:
@@ -136,7 +130,7 @@ class FusionPolicy(ABC):
             if grad is None:
                 packed.zero_()
                 return Piece()
-            compensated = ctx.compensate_dense(slot.name, grad)
+            compensated = ctx.feedback.compensate_dense(slot.name, grad)
             source = grad if compensated is None else compensated
             # written through a view in the slot's shape: a gradient in another memory format
             # (channels_last) lands in logical order with no contiguous copy first
@@ -145,14 +139,14 @@ class FusionPolicy(ABC):
         if grad is None:
             v, i = idle_selection(slot, ctx, self.aligned)
             return Piece(v * ctx.scale, i + slot.offset)
-        compensated = ctx.compensate(slot.name, grad)
+        compensated = ctx.feedback.compensate(slot.name, grad)
         return self._sparse_piece(slot, grad, compensated, ctx.select(compensated, slot.name, slot.k), ctx)
 
     def compress_sparse_slots(self, slots: Sequence[Slot], grads: Sequence[Tensor], ctx: CompressContext) -> list[Piece]:
         """Sparse slots that all have a gradient, compensated one by one and selected in one
         batched call: what ``compress_slot`` gives each, without a selection's fixed cost per
         tensor (which dominates for small tensors)."""
-        compensated = [ctx.compensate(slot.name, grad) for slot, grad in zip(slots, grads)]
+        compensated = [ctx.feedback.compensate(slot.name, grad) for slot, grad in zip(slots, grads)]
         selections = ctx.select_many(compensated, [slot.name for slot in slots], [slot.k for slot in slots])
         return [
             self._sparse_piece(slot, grad, tensor, selection, ctx)

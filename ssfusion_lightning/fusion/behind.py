@@ -14,17 +14,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan
-from ssfusion_lightning.fusion.base import (
-    FUSION_POLICIES,
-    CompressContext,
-    Encoded,
-    FusionPolicy,
-    PendingUpdate,
-    PlanContext,
-    cut_plan,
-)
+from ssfusion_lightning.fusion.base import FUSION_POLICIES, CompressContext, FusionPolicy, PlanContext, cut_plan
 from ssfusion_lightning.sparsifiers import k_for
+from ssfusion_lightning.vocabulary import Buffer, Encoded, ParamSpec, PendingUpdate, Plan
 
 
 @FUSION_POLICIES.register("behind")
@@ -59,7 +51,7 @@ class BehindPolicy(FusionPolicy):
             if grad is None:
                 part.zero_()
             else:
-                part.copy_(ctx.compensate(slot.name, grad).reshape(-1))
+                part.copy_(ctx.feedback.compensate(slot.name, grad).reshape(-1))
         k = sum(slot.k for slot in buffer.slots)
         values, indices = ctx.select(fused, f"buffer{buffer.index}", k)
         updates = []

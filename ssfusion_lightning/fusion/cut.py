@@ -11,10 +11,15 @@ and its collective's work on a channel thread: on a rank with one core, 40 buffe
 made the backward 2.7x longer, experiments/results/timeline.md). With F(b) the earliest finish of
 the first b tensors,
 
-    F(b) = min over a < b of  max(R_b, F(a)) + comm(a, b)
+    F(b) = min over a < b of  max(R_b + s * o * m(a), F(a)) + comm(a, b)
 
-and since the finish only grows with F(a), the prefix's best cut is part of the best cut of the
-whole: the program is exact for this model. Ties go to fewer buffers. The costs are the ones every
+where o is the buffer overhead, m(a) the buffers of the prefix's best cut and s the measured share
+of other threads' CPU work that delays the backward (``CostProfile.serial_cpu``): on a rank with
+one core (s = 1) every earlier buffer's launch and collective push the rest of the backward back.
+With s = 0 the finish only grows with F(a), the prefix's best cut is part of the best cut of the
+whole, and the program is exact for this model; with s > 0 it keeps the prefix's best cut, which
+is a heuristic (a prefix with fewer buffers may finish later and still serve the whole better).
+Ties go to fewer buffers. The costs are the ones every
 rank agreed on, so every rank computes the same cut.
 
 Without costs yet (the profiling rounds), and for a dense sparsifier, "auto" is DDP's layout: a
@@ -26,7 +31,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.engine.plan import ParamSpec, cut_by_bytes
+from ssfusion_lightning.vocabulary import ParamSpec, cut_by_bytes
 
 Item = tuple[int, ParamSpec]
 
@@ -96,7 +101,8 @@ def cut_by_cost(
                 break
             if a == 0 and first_cap_bytes is not None and nbytes[b] > first_cap_bytes and b > 1:
                 continue
-            candidate = (max(ready[b], finish[a]) + comm(a, b), buffers[a] + 1)
+            delay = costs.serial_cpu * costs.buffer_overhead * buffers[a]
+            candidate = (max(ready[b] + delay, finish[a]) + comm(a, b), buffers[a] + 1)
             if candidate < (finish[b], buffers[b]):
                 finish[b], buffers[b], start[b] = candidate[0], candidate[1], a
     groups: list[list[Item]] = []
@@ -110,7 +116,7 @@ def cut_by_cost(
 def modelled_finish(groups: Sequence[Sequence[Item]], costs: CostProfile, sparse_of, k_of) -> float:
     """The finish of the last buffer's communication under the same model (for tests and reports)."""
     clock = link_free = 0.0
-    for group in groups:
+    for count, group in enumerate(groups):
         dense = sparse = 0
         for _, spec in group:
             is_sparse = sparse_of(spec)
@@ -119,5 +125,5 @@ def modelled_finish(groups: Sequence[Sequence[Item]], costs: CostProfile, sparse
             sparse += k_of(spec) if is_sparse else 0
         size = group[-1][1].nbytes // max(1, group[-1][1].numel)
         comm = costs.buffer_overhead + costs.dense_seconds(dense, size) + costs.sparse_seconds(sparse, size)
-        link_free = max(clock, link_free) + comm
+        link_free = max(clock + costs.serial_cpu * costs.buffer_overhead * count, link_free) + comm
     return link_free

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.engine.plan import Buffer, ParamSpec, Plan
 from ssfusion_lightning.fusion.base import FUSION_POLICIES, FusionPolicy, PlanContext, cut, make_slots, planned_k
+from ssfusion_lightning.vocabulary import Buffer, ParamSpec, Plan
 
 
 def sparse_decisions(params: Sequence[tuple[int, ParamSpec]], costs: CostProfile, sparsifier) -> dict[str, bool]:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.registry import Registry
-from ssfusion_lightning.sparsifiers.selection import accumulation_dtype, all_finite
+from ssfusion_lightning.sparsifiers.selection import is_all_finite, statistics_dtype
 
 
 class Memory(ABC):
@@ -85,7 +85,7 @@ MEMORIES: Registry[Memory] = Registry("memory")
 
 
 def check_finite(key: str, tensor: Tensor, what: str = "compensated gradient") -> None:
-    if not all_finite(tensor):
+    if not is_all_finite(tensor):
         raise FloatingPointError(
             f"non-finite values (NaN/Inf) in the {what} of {key!r}: refused by error feedback, "
             "its stored state is unchanged"
@@ -124,7 +124,7 @@ def _add_scaled_(state: Tensor, addend: Tensor, loss_scale: Tensor | None) -> Te
 def _checked_commit(key: str, tensors: Sequence[Tensor], states: Sequence[dict[str, Tensor]]) -> None:
     """After an in-place commit: a sum that overflowed cannot be undone, so the key's state goes."""
     for tensor in tensors:
-        if not all_finite(tensor):
+        if not is_all_finite(tensor):
             for state in states:
                 state.pop(key, None)
             check_finite(key, tensor)
@@ -186,9 +186,6 @@ class ResidualMemory(Memory):
         for key, value in residuals.items():
             check_finite(key, value, "saved residual")
         self.residuals = residuals
-
-    def to(self, device: torch.device) -> None:
-        self.residuals = {k: v.to(device) for k, v in self.residuals.items()}
 
     def reset(self) -> None:
         self.residuals.clear()
@@ -258,7 +255,7 @@ class DGCMemory(Memory):
     def _clip_factor(self, grad: Tensor, loss_scale: Tensor | None) -> float | None:
         if self.clip_norm is None:
             return None
-        norm = float(torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype)))
+        norm = float(torch.linalg.vector_norm(grad, dtype=statistics_dtype(grad.dtype)))
         local = self.clip_norm / math.sqrt(self.world_size)
         limit = local if loss_scale is None else local * float(loss_scale)  # clip_norm is unscaled
         return limit / norm if norm > limit else None
@@ -345,10 +342,6 @@ class DGCMemory(Memory):
             check_finite(key, velocities[key], "saved velocity")
         self.momenta, self.velocities = momenta, velocities
         self._clip_factors.clear()
-
-    def to(self, device: torch.device) -> None:
-        self.momenta = {k: v.to(device) for k, v in self.momenta.items()}
-        self.velocities = {k: v.to(device) for k, v in self.velocities.items()}
 
     def reset(self) -> None:
         self.momenta.clear()

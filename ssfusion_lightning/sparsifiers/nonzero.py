@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, Sparsifier
-from ssfusion_lightning.sparsifiers.selection import all_finite, indices_at_least, sample_positions
+from ssfusion_lightning.sparsifiers.selection import indices_at_least, is_all_finite, sample_positions
 
 
 @SPARSIFIERS.register("nonzero")
@@ -35,7 +35,7 @@ class NonzeroSparsifier(Sparsifier):
         if bool((probe != 0).float().mean() > 0.25):  # mostly nonzero: one plain pass, one output
             indices = flat.nonzero().view(-1)
             values = flat.index_select(0, indices)
-            if not all_finite(values):
+            if not is_all_finite(values):
                 keep = ~torch.isnan(values)
                 indices, values = indices[keep], values[keep]
             return values, indices

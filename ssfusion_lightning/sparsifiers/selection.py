@@ -375,7 +375,9 @@ def _interpolate(too_low: tuple[float, int], too_high: tuple[float, int], target
 
 
 # --------------------------------------------------------------------------- moments without big temporaries
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The float dtype a tensor's moments and norms are reduced in: fp64 for fp64, fp32 for every
+    other dtype (fp16, bf16, integers). Not comm.schemes.accumulation_dtype, which keeps a sum's dtype."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -384,7 +386,7 @@ def mean_std(flat: Tensor) -> tuple[float, float]:
     n = flat.numel()
     if n == 0:
         return 0.0, 0.0
-    acc = accumulation_dtype(flat.dtype)
+    acc = statistics_dtype(flat.dtype)
     if flat.dtype == acc:
         total = as_float(flat.sum())
         squares = as_float(torch.dot(flat, flat))
@@ -400,17 +402,19 @@ def abs_mean_max(flat: Tensor) -> tuple[float, float]:
     n = flat.numel()
     if n == 0:
         return 0.0, 0.0
-    acc = accumulation_dtype(flat.dtype)
+    acc = statistics_dtype(flat.dtype)
     l1 = as_float(torch.linalg.vector_norm(flat, 1, dtype=acc))
     low, high = torch.aminmax(flat)
     return l1 / n, max(-as_float(low), as_float(high))
 
 
-def all_finite(tensor: Tensor) -> bool:
-    """True when no element is NaN or +-Inf (one cheap reduction; exact check only on overflow)."""
+def is_all_finite(tensor: Tensor) -> bool:
+    """True when no element of one tensor is NaN or +-Inf, as a Python bool (it waits for the
+    device): one cheap reduction, the exact check only on overflow. The engine's ``all_finite``
+    is the no-wait form: a 0-d bool tensor over a list of tensors."""
     if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
         return True
-    total = tensor.sum(dtype=accumulation_dtype(tensor.dtype)) if tensor.is_floating_point() else tensor.sum()
+    total = tensor.sum(dtype=statistics_dtype(tensor.dtype)) if tensor.is_floating_point() else tensor.sum()
     if bool(torch.isfinite(total)):
         return True
     return bool(torch.isfinite(tensor).all())  # the sum may have overflowed on finite values
