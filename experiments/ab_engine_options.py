@@ -30,12 +30,17 @@ FIELDS = ("variant", "options", "revision", "repeat", "world", "workload", "rate
 
 
 def run_variant(
-    args: argparse.Namespace, variant: str, options: str, checkout: Path, revision: str, repeat: int, scratch: Path
+    args: argparse.Namespace, variant: str, options: str, checkout: Path, revision: str, repeat: int, scratch: Path,
+    schemes: list[str] | None = None,
 ) -> list[dict]:
+    """One bench_e2e run of ``schemes`` (default ``args.schemes``) beside Lightning ddp, the engine's
+    with ``options``: a row per scheme, world, workload and link, its step time also as a ratio to
+    the ddp of the same run."""
     name = f"{variant}_{repeat}"
+    schemes = list(schemes or args.schemes)
     command = [
         sys.executable, "-m", "experiments.bench_e2e", "--worlds", *map(str, args.worlds), "--rates", *args.rates,
-        "--workloads", *args.workloads, "--schemes", "ddp", *args.schemes, "--acc-steps", "0", "--key-repeats", "1",
+        "--workloads", *args.workloads, "--schemes", "ddp", *schemes, "--acc-steps", "0", "--key-repeats", "1",
         "--engine-options", options, "--out", str(scratch), "--name", name, "--no-report",
     ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=checkout)
@@ -43,7 +48,7 @@ def run_variant(
     ddp = {(r["world"], r["workload"], r["rate"]): float(r["step_ms"]) for r in summary if r["scheme"] == "ddp"}
     rows = []
     for r in summary:
-        if r["scheme"] not in args.schemes or not r["step_ms"]:
+        if r["scheme"] not in schemes or not r["step_ms"]:
             continue
         reference = ddp[(r["world"], r["workload"], r["rate"])]
         step = float(r["step_ms"])

@@ -258,6 +258,29 @@ def test_report_ab_tables_come_from_the_committed_csvs(stem):
     assert sorted(r["variant"] for r in gpt2_40) == ["A", "A", "A", "B", "B", "B"]
 
 
+# --------------------------------------------------------------------------- bench_comm_choice.py
+def test_comm_choice_compares_auto_with_the_best_fixed_scheme_of_the_same_cell():
+    from experiments import bench_comm_choice
+
+    def row(variant, repeat, x, world=2, rate="40mbit", choices=""):
+        return {"variant": variant, "repeat": repeat, "world": world, "workload": "resnet18", "rate": rate,
+                "scheme": "ssfusion", "x_ddp_step": x, "choices": choices}
+
+    rows = [row("auto", 0, 0.50, choices="allgather:3"), row("auto", 1, 0.54, choices="allgather:2 zen:1"),
+            row("allgather", 0, 0.52), row("allgather", 1, 0.50), row("zen", 0, 0.60), row("zen", 1, 0.62),
+            row("ddp_powersgd", 0, 0.40),
+            row("auto", 0, 0.70, world=4), row("auto", 1, 0.72, world=4), row("zen", 0, 0.60, world=4), row("zen", 1, 0.64, world=4)]
+    p2, p4 = bench_comm_choice.summarize(rows)
+    # medians: auto 0.52, allgather 0.51 (best), zen 0.61: auto / best = 0.52 / 0.51, within 5%
+    assert p2["best_fixed"] == "allgather" and p2["auto_over_best"] == pytest.approx(0.52 / 0.51) and p2["met"]
+    assert p2["medians"]["ddp_powersgd"] == 0.40 and p2["choices"] == ["allgather:3", "allgather:2 zen:1"]
+    # a hook never counts as a fixed scheme: at P = 4 zen is the best, and auto is 0.71 / 0.62 of it, too slow
+    assert p4["best_fixed"] == "zen" and p4["auto_over_best"] == pytest.approx(0.71 / 0.62) and not p4["met"]
+    table = bench_comm_choice.markdown([p2, p4], ["allgather", "zen"], {"repeats": 2})
+    assert "| 2 | resnet18 | 40mbit | 0.520 | 0.510 | 0.610 | 0.400 |  | allgather | 1.020 | yes |" in table
+    assert "within 1.05x of the best fixed scheme in 1 of 2 cases" in table
+
+
 # --------------------------------------------------------------------------- bench_memory.py
 def test_bench_memory_summary_and_targets_from_rows():
     from experiments import bench_memory
