@@ -451,9 +451,16 @@ class SSFusionStrategy(DDPStrategy):
         if self.engine is not None:
             # trainer.save_checkpoint() after fit() must still carry every rank's engine state
             self._final_engine_state = self.engine.state_dict()
-            self.engine.close()
+            in_use = self.engine.close()
             self.engine = None
+        else:
+            in_use = []
         for group in self._groups:
+            if any(group is busy for busy in in_use):
+                # after a failed step a channel thread can still be blocked in a collective on it:
+                # destroying the group would free it under that thread
+                log.warning("ssfusion: a process group of the strategy is left undestroyed: a collective on it has not returned")
+                continue
             dist.destroy_process_group(group)
         self._groups = []
         super().teardown()

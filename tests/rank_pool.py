@@ -4,11 +4,18 @@
 the per-rank results. Workers look like ranks launched externally (LOCAL_RANK etc. are set), so a
 Lightning Trainer inside ``fn`` joins the existing process group instead of launching processes.
 A task that hangs past its timeout kills the pool; the next ``run`` starts a fresh one.
+
+Tasks and results cross the process boundary as ``torch.save`` bytes, made before ``put``. Handed
+to a ``multiprocessing.Queue`` as objects, tensors would be pickled later, on the queue's feeder
+thread, by torch's sharing reductions, which move a tensor's storage into shared memory in place and
+free the old memory: a worker already running its next task (or reusing a cached buffer the result
+is a view of) then writes to freed memory.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -22,6 +29,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _pack(value: Any) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _worker(rank: int, world: int, port: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
@@ -46,12 +67,12 @@ def _worker(rank: int, world: int, port: int, inbox: mp.Queue, outbox: mp.Queue)
         task = inbox.get()
         if task is None:
             break
-        fn, args, kwargs = task
+        fn, args, kwargs = _unpack(task)
         # A task's random draws must not depend on which tasks this worker ran before (or a
         # statistical assertion passes or fails with the test order); ranks still differ.
         torch.manual_seed(rank)
         try:
-            outbox.put((rank, True, fn(*args, **kwargs)))
+            outbox.put((rank, True, _pack(fn(*args, **kwargs))))
         except BaseException:  # noqa: BLE001 - report every failure to the test process
             outbox.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -78,8 +99,9 @@ class RankPool:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
+        task = _pack((fn, args, kwargs))
         for inbox in self._inboxes:
-            inbox.put((fn, args, kwargs))
+            inbox.put(task)
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout
@@ -93,7 +115,10 @@ class RankPool:
                     why = f"ranks {dead} died" if dead else f"it did not finish within {timeout}s"
                     raise TimeoutError(f"{fn.__name__} failed on {self.world_size} ranks: {why}") from None
                 continue
-            (results if ok else failures)[rank] = value
+            if ok:
+                results[rank] = _unpack(value)
+            else:
+                failures[rank] = value
         if failures:
             self.close()  # a failed collective may leave the ranks out of step: start afresh next time
             details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))

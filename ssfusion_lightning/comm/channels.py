@@ -52,6 +52,7 @@ class Channel:
         #: buffer's collective takes from the cores the backward runs on (the cost model's overhead)
         self.job_cpu_seconds = 0.0
         self.jobs = 0
+        self._running = False
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args, group)`` on this channel; on CUDA it waits for the submitting stream first."""
@@ -65,9 +66,11 @@ class Channel:
 
     def _run(self, fn: Callable[..., Any], args: Sequence[Any], ready: torch.cuda.Event | None, buffer: int | None) -> Completed:
         started = time.thread_time()
+        self._running = True
         try:
             return self._run_job(fn, args, ready, buffer)
         finally:
+            self._running = False
             if buffer is not None:
                 self.job_cpu_seconds += time.thread_time() - started
                 self.jobs += 1
@@ -84,6 +87,16 @@ class Channel:
             if self.timeline.enabled:
                 done.synchronize()  # the span ends when the collective has, not when it was queued
             return Completed(value, done)
+
+    @property
+    def busy(self) -> bool:
+        """A job is running on this channel's thread (after a failure, it may be blocked in a collective)."""
+        return self._running
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        """Every process group this channel's collectives use."""
+        hierarchy = () if self.hierarchy is None else (self.hierarchy.local, self.hierarchy.cross)
+        return [group for group in (self.group, *hierarchy) if group is not None]
 
     def shutdown(self, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
@@ -129,6 +142,10 @@ class ChannelSet:
     def __getitem__(self, index: int) -> Channel:
         return self.channels[index % len(self.channels)]
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True) -> list[dist.ProcessGroup]:
+        """Stop every channel's thread. Returns the process groups of the channels whose thread is
+        still inside a job (only without ``wait``, after a failure): destroying such a group would
+        free it under a collective that may still be blocked in it."""
         for channel in self.channels:
             channel.shutdown(wait)
+        return [group for channel in self.channels if channel.busy for group in channel.groups()]

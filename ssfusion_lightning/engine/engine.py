@@ -776,13 +776,14 @@ class FusionEngine:
         # after the memory, so the new plan is set against the restored residuals
         self.set_plan(self._build_plan(self.order, self.costs) if replan else engine_state.decode_plan(state["plan"]))
 
-    def close(self) -> None:
-        """Remove the hooks and stop the workers (without waiting on them after a failure)."""
+    def close(self) -> list[dist.ProcessGroup]:
+        """Remove the hooks and stop the workers (without waiting on them after a failure). Returns
+        the process groups a collective may still be running on: they must not be destroyed."""
         self.detach()
         wait = not self._failed
         if self.offloader is not None:
             self.offloader.shutdown(wait)
-        self.channels.shutdown(wait)
+        return self.channels.shutdown(wait)
 
 
 def _to_device(state: Any, device: torch.device) -> Any:
