@@ -70,9 +70,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                 got = run_variant(args, variant, json.dumps(chosen[variant]), REPO, "", repeat, Path(scratch), schemes)
                 choices = auto_choices(Path(scratch) / f"{variant}_{repeat}_raw.jsonl") if variant == "auto" else {}
                 for r in got:
-                    r["choices"] = choices.get((str(r["world"]), r["workload"], r["rate"]), "")
                     if r["scheme"] in HOOKS:
                         r["variant"] = r["scheme"]
+                    else:
+                        r["choices"] = choices.get((str(r["world"]), r["workload"], r["rate"]), "")
                     rows.append(r)
                 print(f"repeat {repeat}: {variant} done", flush=True)
     return rows
@@ -85,7 +86,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     for r in rows:
         key = (int(r["world"]), r["workload"], r["rate"])
         by[key][r["variant"]].append(float(r["x_ddp_step"]))
-        if r["choices"]:
+        if r["variant"] == "auto" and r.get("choices"):
             choices[key].append(r["choices"])
     out = []
     for key, values in sorted(by.items()):
