@@ -281,6 +281,17 @@ def test_comm_choice_compares_auto_with_the_best_fixed_scheme_of_the_same_cell()
     assert "within 1.05x of the best fixed scheme in 1 of 2 cases" in table
 
 
+@pytest.mark.skipif(not (RESULTS / "comm_choice.csv").exists(), reason="no committed comm_choice results")
+def test_report_comm_choice_table_comes_from_the_committed_csv():
+    import json
+
+    from experiments import bench_comm_choice
+
+    meta = json.loads((RESULTS / "comm_choice_meta.json").read_text())
+    summary = bench_comm_choice.summarize(common.read_csv(RESULTS / "comm_choice.csv"))
+    assert common.report_section("comm-choice") == bench_comm_choice.markdown(summary, meta["comms"], meta).strip()
+
+
 # --------------------------------------------------------------------------- bench_memory.py
 def test_bench_memory_summary_and_targets_from_rows():
     from experiments import bench_memory
