@@ -243,7 +243,7 @@ def test_report_simulate_numbers_come_from_the_committed_csvs(tmp_path):
     assert section is not None and section == (tmp_path / "simulate.md").read_text().split("\n\n", 1)[1].strip()
 
 
-@pytest.mark.parametrize("stem", ["ab_first_buffer", "ab_process_groups", "ab_vote_in_dense"])
+@pytest.mark.parametrize("stem", ["ab_first_buffer", "ab_process_groups", "ab_vote_in_dense", "ab_serial_cpu_quiet"])
 def test_report_ab_tables_come_from_the_committed_csvs(stem):
     from experiments import ab_engine_options
 
