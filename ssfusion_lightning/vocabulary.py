@@ -91,6 +91,15 @@ class Buffer:
     def sparse_numel(self) -> int:
         return sum(s.numel for s in self.sparse_slots)
 
+    def densified(self, comm: str | None = None) -> Buffer:
+        """The same tensors, every one sent dense (its dense part is the whole buffer); ``comm``:
+        the scheme that runs it (default: this buffer's)."""
+        offset, slots = 0, []
+        for slot in self.slots:
+            slots.append(Slot(slot.name, slot.param, slot.shape, offset, slot.numel, False, slot.numel))
+            offset += slot.numel
+        return Buffer(self.index, tuple(slots), self.channel, self.comm if comm is None else comm)
+
 
 @dataclass(frozen=True)
 class Plan:

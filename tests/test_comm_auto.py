@@ -117,7 +117,8 @@ def test_auto_offers_hierarchical_schemes_only_on_nodes_of_several_ranks():
         allreduce=Link(50 * US, 1e-9), allgather=Link(50 * US, 1e-9), node_link=Link(5 * US, 1e-11),
         cross_link=Link(50 * US, 1e-9), world_size=8, measured=True,
     )
-    auto = COMMUNICATORS.build("auto")
+    # the schemes alone: the default compression cost (4 ms here) would send this buffer dense
+    auto = COMMUNICATORS.build("auto", dense_fallback=False)
     assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, (4, 2))).buffers[0].comm == "hierarchical:sparcml"
     for layout in (None, (8, 1), (1, 8)):
         assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, layout)).buffers[0].comm == "oktopk"
@@ -143,6 +144,53 @@ def test_bad_candidates_are_refused_with_the_valid_choices():
         COMMUNICATORS.build("auto", schemes=["ring"])
     with pytest.raises(ValueError, match="schemes must be"):
         COMMUNICATORS.build("auto", schemes="zen")
+
+
+# --------------------------------------------------------------------------- the dense fallback
+AUTO_FALLBACK = COMMUNICATORS.build("auto")
+
+
+def one_buffer_plan() -> Plan:
+    # a dense slot of 1000 and a sparse slot of 10^6 elements with k = 10^4 (1%)
+    return plan_of([(1000, 10**6, 10**4)])
+
+
+def profile(ns_per_byte: float, measured: bool = True) -> CostProfile:
+    # compression: 20 us + 4 ns per element (the defaults), so 4020 us for the sparse slot
+    link = Link(50 * US, ns_per_byte * 1e-9)
+    return CostProfile(allreduce=link, allgather=link, world_size=2, measured=measured)
+
+
+def test_a_buffer_goes_dense_where_its_all_reduce_beats_selection_plus_the_best_scheme():
+    # P = 2, 1 ns/B: the whole buffer's all-reduce is 50 + 1/2 * 2 * 4 * 1,001,000 ns = 4054 us;
+    # sparse: 4020 us of selection + the dense part's all-reduce (54 us) + an allgather of
+    # 10^4 pairs (50 + 80 us) = 4204 us -> dense
+    plan = AUTO_FALLBACK.assign(one_buffer_plan(), CommContext(2, profile(1.0), {0: 4}))
+    buffer = plan.buffers[0]
+    assert plan.notes["comm"] == ["dense"] and buffer.comm == "allreduce"
+    assert not buffer.sparse_slots and [(s.offset, s.numel, s.k) for s in buffer.slots] == [(0, 1000, 1000), (1000, 10**6, 10**6)]
+    # 100 ns/B: all-reduce 400.45 ms against 4.02 + 0.45 + 8.05 ms: the selection pays for itself
+    plan = AUTO_FALLBACK.assign(one_buffer_plan(), CommContext(2, profile(100.0), {0: 4}))
+    assert plan.notes["comm"] == ["allgather"] and plan.buffers[0].slots == one_buffer_plan().buffers[0].slots
+
+
+@pytest.mark.parametrize(
+    "auto, costs",
+    [
+        (COMMUNICATORS.build("auto"), profile(1.0, measured=False)),  # the first plan, before any cost is measured
+        (COMMUNICATORS.build("auto", schemes=["allgather", "zen"]), profile(1.0)),  # no all-reduce candidate
+        (COMMUNICATORS.build("auto", dense_fallback=False), profile(1.0)),
+    ],
+    ids=["unmeasured", "no-allreduce-candidate", "switched-off"],
+)
+def test_the_selections_stay_where_the_fallback_does_not_apply(auto, costs):
+    plan = auto.assign(one_buffer_plan(), CommContext(2, costs, {0: 4}))
+    assert plan.notes["comm"] != ["dense"] and plan.buffers[0].slots == one_buffer_plan().buffers[0].slots
+
+
+def test_dense_fallback_must_be_a_bool():
+    with pytest.raises(ValueError, match="dense_fallback must be true or false, got 'yes'"):
+        COMMUNICATORS.build("auto", dense_fallback="yes")
 
 
 # --------------------------------------------------------------------------- properties
@@ -174,6 +222,26 @@ def test_auto_is_never_modelled_slower_than_dense_or_the_best_fixed_scheme(per_n
     assert auto <= fixed["allreduce"]
     assert auto <= 1.05 * min(fixed.values())
     assert choose_scheme(shape, model, candidates, spread, hierarchy) == choice  # a pure function
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(2, 1024), link_values, link_values, st.floats(0.0, 1e-3), st.floats(0.0, 1e-7),
+    st.lists(st.tuples(st.integers(0, 10**5), st.integers(1, 10**7), st.floats(1e-4, 1.0)), min_size=1, max_size=4),
+)
+def test_with_its_selections_a_planned_buffer_is_never_modelled_slower_than_dense(world, ar, ag, fixed, per_element, shapes):
+    costs = CostProfile(
+        allreduce=Link(*ar), allgather=Link(*ag), world_size=world, measured=True,
+        compress_fixed=fixed, compress_per_element=per_element,
+    )
+    model = Links.measured(world, costs.allreduce, costs.allgather)
+    plan = plan_of([(dense, sparse, max(1, int(sparse * density))) for dense, sparse, density in shapes])
+    assigned = COMMUNICATORS.build("auto").assign(plan, CommContext(world, costs, {b.index: 4 for b in plan.buffers}))
+    for before, after in zip(plan.buffers, assigned.buffers):
+        dense = buffer_seconds("allreduce", BufferShape(before.numel, 0, 0), model)
+        selection = sum(costs.compress_seconds(slot.numel) for slot in after.sparse_slots)
+        shape = BufferShape(after.dense_numel, after.sparse_numel, sum(slot.k for slot in after.sparse_slots))
+        assert buffer_seconds(after.comm, shape, model) + selection <= dense * (1 + 1e-9)
 
 
 def plan_of(shapes: list[tuple[int, int, int]]) -> Plan:
@@ -217,7 +285,7 @@ def test_the_choice_is_part_of_the_plan_fingerprint():
     plan = plan_of([(0, 100_000, 10)])
     fast = CommContext(2, CostProfile(world_size=2, measured=True), {0: 4})
     slow_gather = CommContext(2, CostProfile(allgather=Link(1.0, 1e-9), world_size=2, measured=True), {0: 4})
-    auto = COMMUNICATORS.build("auto")
+    auto = COMMUNICATORS.build("auto", dense_fallback=False)  # the schemes alone
     a, b = auto.assign(plan, fast), auto.assign(plan, slow_gather)
     assert (a.buffers[0].comm, b.buffers[0].comm) == ("allgather", "allreduce")
     assert a.fingerprint() != b.fingerprint()
@@ -317,6 +385,67 @@ def test_auto_runs_hierarchical_candidates_on_2_nodes_of_2_ranks(pool4):
     results = pool4.run(train_auto, **options)
     assert results[0]["measured"] and all(c.startswith("hierarchical:") for c in results[0]["comm"])
     check_identical(results)
+
+
+def fallback_run() -> dict:
+    """ahead/topk at 10% under auto: three sparse rounds leave residuals, then costs that make
+    sparsifying a loss (a fast link, an expensive selection) re-plan every buffer dense. The first
+    dense round must send each rank's gradient plus everything it still owed."""
+    import torch.distributed as dist
+
+    from ssfusion_lightning.comm import ChannelSet
+    from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
+    from ssfusion_lightning.fusion import FUSION_POLICIES
+    from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+    engine = FusionEngine(
+        list(model.named_parameters()), build_sparsifier("topk", density=0.1), build_memory("residual"),
+        FUSION_POLICIES.build("ahead"), COMMUNICATORS.build("auto"),
+        ChannelSet([dist.new_group(backend="gloo")], torch.device("cpu")),
+        EngineConfig(buffer_bytes=600, profile_steps=100),  # nothing measured: the costs are the test's
+    )
+    engine.attach()
+    torch.manual_seed(1 + dist.get_rank())
+
+    def backward() -> None:
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(4, 8, dtype=torch.float64)).pow(2).sum().backward()
+
+    for _ in range(3):
+        backward()
+        engine.finish()
+    sparse_comm = list(engine.plan.notes["comm"])
+    owed = {n: engine.memory.residual(n) for n, _ in model.named_parameters()}
+    fast = Link(50e-6, 1e-12)
+    engine.costs = CostProfile(allreduce=fast, allgather=fast, world_size=4, measured=True, compress_fixed=1e-3)
+    engine.set_plan(engine._build_plan(engine.order, engine.costs))
+    backward()
+    sent = {n: p.grad + (0 if owed[n] is None else owed[n].view_as(p.grad)) for n, p in model.named_parameters()}
+    engine.finish()
+    result = {
+        "sparse_comm": sparse_comm,
+        "comm": list(engine.plan.notes["comm"]),
+        "owed_before": sum(int(r is not None and bool(r.any())) for r in owed.values()),
+        "owed_after": [n for n, _ in model.named_parameters() if engine.memory.residual(n) is not None],
+        "sent": sent,
+        "written": {n: p.grad.clone() for n, p in model.named_parameters()},
+    }
+    engine.close()
+    return result
+
+
+def test_a_buffer_switched_to_dense_sends_what_its_tensors_still_owe(pool4):
+    results = pool4.run(fallback_run)
+    first = results[0]
+    assert "dense" not in first["sparse_comm"] and set(first["comm"]) == {"dense"}
+    assert first["owed_before"] > 0, "the sparse rounds must leave residuals behind"
+    for rank, res in enumerate(results):
+        assert res["owed_after"] == [], f"rank {rank} still holds residuals for {res['owed_after']}"
+        for name, written in res["written"].items():
+            expected = sum(r["sent"][name] for r in results) / len(results)
+            torch.testing.assert_close(written, expected, rtol=0, atol=1e-12, msg=f"rank {rank}: {name}")
 
 
 def check_identical(results: list[dict]) -> None:

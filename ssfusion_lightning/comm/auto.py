@@ -9,6 +9,12 @@ selections are taken as independent: a deterministic first choice.
 
 While the costs are not yet measured, the nonzeros of each exact sparse sum are counted: the sum
 is the same on every rank, and the engine agrees the resulting spread with the other costs.
+
+Sparsifying must pay for itself: once the costs are measured, a buffer whose dense all-reduce
+(all of it, as a DDP bucket) is modelled faster than its selections plus its best scheme is sent
+dense (``dense_fallback``) by the all-reduce candidates: no selection, nothing left in error
+feedback, what it still owes goes out with it. On a fast link this is what keeps the engine from being slower than DDP. Before the
+costs are measured the compression cost is a guess, so the sparse plan is the first choice.
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ RUNNER_OPTIONS = {"zen": {"choice": "zen"}}  # auto chooses between zen and spar
 CANDIDATES = SCHEMES + HIERARCHICAL_SCHEMES
 #: a buffer the plan did not assign (a sparse-gradient parameter's): summed exactly by allgather
 UNASSIGNED = "allgather"
+#: the plan's note for a buffer ``dense_fallback`` sends unsparsified
+DENSE = "dense"
+#: the schemes that can carry a buffer sent dense
+DENSE_SCHEMES = ("allreduce", HIERARCHICAL + "allreduce")
 
 
 class _Counted(PendingReduction):
@@ -69,6 +79,9 @@ class AutoCommunicator(Communicator):
     The hierarchical ones compete only where nodes hold several ranks each (``ranks_per_node``)
     and there are several nodes. Leave out oktopk (both forms) for an exact sum everywhere: Ok-Topk
     keeps about k entries of the sum.
+    ``dense_fallback``: send a buffer dense where that is modelled faster than sparsifying it
+    (see the module doc), when allreduce (flat or hierarchical) is a candidate; False keeps every
+    planned selection.
     """
 
     name = "auto"
@@ -76,11 +89,14 @@ class AutoCommunicator(Communicator):
     may_use_hierarchy = True
     sums_dense = True  # every candidate all-reduces the dense part
 
-    def __init__(self, schemes: Sequence[str] = CANDIDATES, **options: Any) -> None:
+    def __init__(self, schemes: Sequence[str] = CANDIDATES, dense_fallback: bool = True, **options: Any) -> None:
         super().__init__(**options)
         if isinstance(schemes, str) or not schemes or any(s not in CANDIDATES for s in schemes):
             raise ValueError(f"auto communicator: schemes must be a non-empty list of {', '.join(CANDIDATES)}; got {schemes!r}")
+        if not isinstance(dense_fallback, bool):
+            raise ValueError(f"auto communicator: dense_fallback must be true or false, got {dense_fallback!r}")
         self.schemes = tuple(s for s in CANDIDATES if s in schemes)  # one order, whatever order was given
+        self.dense_fallback = dense_fallback
         self.exact = not any(s.endswith("oktopk") for s in self.schemes)
         self._runners = {s: _runner_for(s) for s in (*self.schemes, UNASSIGNED)}
         self._samples: list[tuple[int, int, float]] = []  # (N, k, K) of exact sums before costs
@@ -95,16 +111,27 @@ class AutoCommunicator(Communicator):
         self._measuring = not costs.measured
         buffers, notes = [], []
         for buffer in plan.buffers:
-            shape = buffer_shape(buffer, context.value_bytes.get(buffer.index, 4))
+            value_bytes = context.value_bytes.get(buffer.index, 4)
+            shape = buffer_shape(buffer, value_bytes)
             scheme = choose_scheme(shape, links, candidates, costs.selection_spread, hierarchy)
-            buffers.append(Buffer(buffer.index, buffer.slots, buffer.channel, scheme))
-            notes.append(scheme)
+            seconds = scheme_seconds(scheme, shape, links, costs.selection_spread, hierarchy)
+            compress = sum(costs.compress_seconds(slot.numel) for slot in buffer.sparse_slots)
+            chosen, note = Buffer(buffer.index, buffer.slots, buffer.channel, scheme), scheme
+            dense_candidates = tuple(s for s in DENSE_SCHEMES if s in candidates)
+            if self.dense_fallback and costs.measured and buffer.sparse_slots and dense_candidates:
+                whole = BufferShape(buffer.numel, 0, 0, value_bytes, shape.index_bytes)
+                dense = choose_scheme(whole, links, dense_candidates, costs.selection_spread, hierarchy)
+                dense_seconds = scheme_seconds(dense, whole, links, costs.selection_spread, hierarchy)
+                if dense_seconds < seconds + compress:
+                    chosen, note, shape, seconds, compress = buffer.densified(dense), DENSE, whole, dense_seconds, 0.0
+            buffers.append(chosen)
+            notes.append(note)
             if _rank() == 0:  # every rank chose the same: one log line per buffer, not P
-                seconds = scheme_seconds(scheme, shape, links, costs.selection_spread, hierarchy)
                 log.info(
-                    "ssfusion auto: buffer %d (%d dense, %d sparse, k=%d, P=%d, %s costs) -> %s (modelled %.3g ms)",
-                    buffer.index, shape.dense, shape.sparse, shape.k, context.world_size,
-                    "measured" if costs.measured else "default", scheme, 1e3 * seconds,
+                    "ssfusion auto: buffer %d (%d dense, %d sparse, k=%d, P=%d, %s costs) -> %s via %s "
+                    "(modelled %.3g ms, compression %.3g ms)",
+                    buffer.index, buffer.dense_numel, buffer.sparse_numel, shape.k, context.world_size,
+                    "measured" if costs.measured else "default", note, chosen.comm, 1e3 * seconds, 1e3 * compress,
                 )
         return Plan(tuple(buffers), {**plan.notes, "comm": notes})
 

@@ -80,14 +80,7 @@ SERIAL_OFFLOAD_LIMIT = 0.5
 
 def dense_version(plan: Plan) -> Plan:
     """The same buffers with every tensor sent dense (warm-up steps)."""
-    buffers = []
-    for buffer in plan.buffers:
-        offset, slots = 0, []
-        for slot in buffer.slots:
-            slots.append(replace(slot, sparse=False, k=slot.numel, offset=offset))
-            offset += slot.numel
-        buffers.append(replace(buffer, slots=tuple(slots)))
-    return Plan(tuple(buffers))
+    return Plan(tuple(buffer.densified() for buffer in plan.buffers))
 
 
 def offload_decisions(plan: Plan, costs: CostProfile) -> frozenset[int]:
