@@ -60,14 +60,20 @@ class CostProfile:
         return self.backward.get(name, 0.0)
 
 
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares intercept and slope, both clamped at >= 0 (costs are never negative)."""
-    n = len(xs)
-    if n == 0:
+def fit_line(xs: Sequence[float], ys: Sequence[float], relative: bool = False) -> tuple[float, float]:
+    """Least-squares intercept and slope, both clamped at >= 0 (costs are never negative).
+
+    ``relative``: minimise the relative errors (weights 1/y^2), so that points spanning orders of
+    magnitude each count alike. With plain least squares the largest point decides the line, and
+    a 1% wobble in a 600 ms collective moves the intercept by more than a 4 ms latency."""
+    if not xs:
         return 0.0, 0.0
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    weights = [1.0 / max(y, 1e-12) ** 2 for y in ys] if relative else [1.0] * len(xs)
+    total = sum(weights)
+    mx = sum(w * x for w, x in zip(weights, xs)) / total
+    my = sum(w * y for w, y in zip(weights, ys)) / total
+    var = sum(w * (x - mx) ** 2 for w, x in zip(weights, xs))
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, xs, ys)) / var if var > 0 else 0.0
     slope = max(slope, 0.0)
     return max(my - slope * mx, 0.0), slope
 
@@ -139,7 +145,9 @@ def measure_link(
         moved = ring_allreduce_bytes(nbytes, world) if collective == "allreduce" else (world - 1) * nbytes
         xs.append(moved)
         ys.append(sorted(samples)[len(samples) // 2])
-    alpha, beta = fit_line(xs, ys)
+    # relative: the latency is read off the small messages, the rate off the large ones (on a
+    # 40 Mbit/s emulated link a plain fit put alpha at 0-1.6 ms against 3.9 ms measured directly)
+    alpha, beta = fit_line(xs, ys, relative=True)
     return Link(alpha, beta)
 
 

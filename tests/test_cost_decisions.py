@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssfusion_lightning.costmodel import CostProfile, Link
+from ssfusion_lightning.costmodel import CostProfile, Link, fit_line
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.fusion.adaptive import adaptive_boundaries
 from ssfusion_lightning.fusion.partial import sparse_decisions
@@ -270,3 +270,22 @@ def agree_serial_shares():
     rank = dist.get_rank()
     links = {"allreduce": Link(1e-4, 1e-9), "allgather": Link(1e-4, 1e-9)}
     return agree([1e-3, 0.0, 0.0, 0.0], ["p0"], links, 2, None, torch.device("cpu"), 1.0, [0.75, 0.25][rank])
+
+
+# --------------------------------------------------------------------------- fitting the links
+def test_a_line_is_fitted_exactly_either_way():
+    xs, ys = [3e3, 192e3, 3e6], [4e-3 + 2e-7 * x for x in (3e3, 192e3, 3e6)]
+    for relative in (False, True):
+        alpha, beta = fit_line(xs, ys, relative=relative)
+        assert alpha == pytest.approx(4e-3) and beta == pytest.approx(2e-7)
+
+
+def test_the_relative_fit_reads_the_latency_off_the_small_messages():
+    # the 40 Mbit/s emulated link at P = 4 (allgather; moved bytes, median ms): 3 KB 3.89 ms,
+    # 192 KB 41.5 ms, 3 MB 659 ms. Plain least squares is led by the 659 ms point and halves the
+    # latency (1.9 ms); with relative errors the small message holds the intercept near 3.9 ms.
+    xs, ys = [3072.0, 196608.0, 3145728.0], [3.89e-3, 41.52e-3, 659.14e-3]
+    assert fit_line(xs, ys)[0] < 0.5 * 3.89e-3
+    alpha, beta = fit_line(xs, ys, relative=True)
+    assert 3e-3 < alpha < 3.89e-3
+    assert 1 / beta == pytest.approx(5e6, rel=0.05)  # 40 Mbit/s: 5 MB/s
