@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssfusion_lightning.costmodel import CostProfile, Link, fit_line
+from ssfusion_lightning.costmodel import CostProfile, Link, fit_line, line_through
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.fusion.adaptive import adaptive_boundaries
 from ssfusion_lightning.fusion.partial import sparse_decisions
@@ -273,19 +273,18 @@ def agree_serial_shares():
 
 
 # --------------------------------------------------------------------------- fitting the links
-def test_a_line_is_fitted_exactly_either_way():
-    xs, ys = [3e3, 192e3, 3e6], [4e-3 + 2e-7 * x for x in (3e3, 192e3, 3e6)]
-    for relative in (False, True):
-        alpha, beta = fit_line(xs, ys, relative=relative)
-        assert alpha == pytest.approx(4e-3) and beta == pytest.approx(2e-7)
-
-
-def test_the_relative_fit_reads_the_latency_off_the_small_messages():
-    # the 40 Mbit/s emulated link at P = 4 (allgather; moved bytes, median ms): 3 KB 3.89 ms,
-    # 192 KB 41.5 ms, 3 MB 659 ms. Plain least squares is led by the 659 ms point and halves the
-    # latency (1.9 ms); with relative errors the small message holds the intercept near 3.9 ms.
+def test_a_link_is_the_line_through_its_small_and_large_message():
+    # the 40 Mbit/s emulated link at P = 4 (allgather; moved bytes, median ms): 3 KB 3.89 ms and
+    # 3 MB 659 ms, with 41.5 ms at 192 KB (below the line: the shaper's bucket passes it early).
+    # Least squares through all three is led by the 659 ms point and halves the latency (1.9 ms).
     xs, ys = [3072.0, 196608.0, 3145728.0], [3.89e-3, 41.52e-3, 659.14e-3]
     assert fit_line(xs, ys)[0] < 0.5 * 3.89e-3
-    alpha, beta = fit_line(xs, ys, relative=True)
-    assert 3e-3 < alpha < 3.89e-3
-    assert 1 / beta == pytest.approx(5e6, rel=0.05)  # 40 Mbit/s: 5 MB/s
+    alpha, beta = line_through((xs[0], ys[0]), (xs[-1], ys[-1]))
+    assert alpha == pytest.approx(3.89e-3 - 3072 * beta) and 3.2e-3 < alpha < 3.89e-3
+    assert alpha + beta * xs[-1] == pytest.approx(ys[-1])
+    assert 1 / beta == pytest.approx(4.8e6, rel=0.01)  # 40 Mbit/s, 5 MB/s, less the protocol's share
+
+
+def test_a_line_never_goes_negative():
+    assert line_through((1000.0, 5e-3), (10**6, 4e-3)) == (5e-3, 0.0)  # a slower small message: no negative rate
+    assert line_through((1000.0, 1e-6), (10**6, 1.0)) == (0.0, pytest.approx(1e-6, rel=2e-3))  # no negative latency
