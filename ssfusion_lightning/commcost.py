@@ -234,8 +234,8 @@ def oktopk_collectives(
     else:
         collectives += [("allgather", (p - 1) * OKTOPK_GRID * COUNT_BYTES)] * OKTOPK_GRID_GATHERS
     # the balance (what crosses a slice boundary), then the kept entries
-    spread = share * kept * shape.pair
-    return collectives + [("alltoall", OKTOPK_BALANCE_SHARE * spread), ("allgather", spread)]
+    gathered = share * kept * shape.pair
+    return collectives + [("alltoall", OKTOPK_BALANCE_SHARE * gathered), ("allgather", gathered)]
 
 
 def oktopk_seconds(
@@ -252,7 +252,7 @@ def oktopk_seconds(
         collectives = oktopk_collectives(shape, links.world, nonzeros, exact, recut)
         return sum(getattr(links, kind).message(nbytes) for kind, nbytes in collectives)
 
-    recut = paid(True, True) - paid(True)
+    recut = paid(True, True) - paid(True)  # the regions' all-reduce
     return ((threshold_every - 1) * paid(False) + paid(True)) / threshold_every + recut / rebalance_every
 
 
