@@ -21,7 +21,9 @@ dense), N (sparse elements) and k (selected per step), independent selections:
     engine dense part     2(P-1)/P * F * v
     allgather / hybrid    (P-1) * k * (v+x)   (every benchmarked sparsifier bounds its count by k: no count round)
     zen                   (P-1)/P * [k(v+x) + min(N/8 + K v, K (v+x))], K = N(1-(1-k/N)^P)
-    oktopk                3(P-1)/P * k * (v+x) + the threshold grid's counts + the exact threshold's gather / 32
+    oktopk                about 2.47 (P-1)/P * k * (v+x) (split, C = 1.1 k kept entries, a third of them in the
+                          balance) + the region counts + two threshold grids' counts + the exact threshold's
+                          gathers / 32 + the regions' all-reduce / 64 (commcost.oktopk_collectives)
     sparcml               sum over log2 P rounds of N(1-(1-k/N)^(2^r)) * (v+x), 2 messages a round
     auto                  per buffer, the scheme with the least modelled time
 

@@ -94,9 +94,15 @@ def test_byte_formulas_follow_algorithms_section_7():
         # the pull as a bitmap or as COO, whichever is smaller (ZEN sends the smaller)
         pull = min(n / 8 + union * 4, union * 8)
         assert simulate.scheme_bytes("zen", w, world) == pytest.approx((world - 1) / world * (k * 8 + pull))
-        # 3(P-1)/P k(v+x) (int32 positions), the counts and the threshold grid's 24 counts per rank, and every 32
-        # rounds the exact threshold's gather of each owner's top magnitudes (K/P of them, 4 B each)
-        okt = 3 * (world - 1) / world * k * 8 + (world - 1) * (1 + 24) * 8 + (world - 1) * min(k, union / world) * 4 / 32
+        # (P-1)/P k(v+x) split (int32 positions), the kept entries C(v+x) (P-1)/P and a third of them
+        # crossing slices, C = 1.1 k on 31 rounds in 32 and k on the exact threshold's; the region counts,
+        # 31 rounds in 32 the two grids' 24 counts per rank, every 32 rounds the exact threshold's sizes,
+        # kept counts and each owner's top magnitudes (K/P of them, 4 B each), and every 64 rounds the
+        # regions' all-reduce of P-1 boundaries (2(P-1)/P of them)
+        kept = (31 * 1.1 + 1) / 32 * k
+        gathers = 31 * 2 * 24 * 8 + 2 * 8 + min(k, union / world) * 4
+        okt = ((world - 1) / world * (k + 4 / 3 * kept) * 8 + (world - 1) * 8 + (world - 1) * gathers / 32
+               + 2 * (world - 1) / world * (world - 1) * 8 / 64)
         assert simulate.scheme_bytes("oktopk", w, world) == pytest.approx(okt)
         assert simulate.scheme_bytes("auto", w, world) <= min(simulate.scheme_bytes(s, w, world) for s in ("ddp", "zen", "oktopk", "safusion", "sparcml"))
     assert simulate.scheme_bytes("ddp", w, 1) == 0.0

@@ -14,6 +14,7 @@ import math
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
@@ -32,6 +33,7 @@ from ssfusion_lightning.commcost import (
     choose_scheme,
     expected_nonzeros,
     measured_spread,
+    oktopk_collectives,
     scheme_seconds,
 )
 from ssfusion_lightning.costmodel import CostProfile
@@ -54,7 +56,7 @@ def test_allgather_at_two_ranks_with_a_tiny_k():
     #   allgather  50 + 1 * 10 * 8 ns                  = 50.08 us
     #   zen        4 * 50 + ...                        > 200 us
     #   sparcml    one doubling round: 2 * 50 + ...    > 100 us
-    #   oktopk     5 collectives                       > 250 us
+    #   oktopk     6 collectives                       > 300 us
     shape = BufferShape(dense=0, sparse=10**6, k=10)
     assert choose_scheme(shape, links(2)) == "allgather"
     assert buffer_seconds("allgather", shape, links(2)) == pytest.approx(50.08 * US)
@@ -66,7 +68,7 @@ def test_dense_allreduce_at_large_p_with_a_dense_ish_k(density):
     # P = 256, N = 10^6, k = density * N. With K = N (independent selections cover everything):
     #   allreduce  50 + 2 * 255/256 * 4 * 10^6 ns                        = 8018.75 us
     #   zen        200 + 255/256 * (8k + min(N/8 + 4N, 8N)) ns >= 200 + 255/256 * (4 + 4.125) * 10^6 ns = 8293 us
-    #   allgather  255 * 8k ns >= 10^9 ns; oktopk >= 3 * 255/256 * 8k ns >= 11,953 us; sparcml: unions of N
+    #   allgather  255 * 8k ns >= 10^9 ns; oktopk >= (2 + 1/3) * 255/256 * 8k ns >= 9,297 us; sparcml: unions of N
     shape = BufferShape(dense=0, sparse=10**6, k=int(density * 10**6))
     assert choose_scheme(shape, links(256)) == "allreduce"
     assert buffer_seconds("allreduce", shape, links(256)) == pytest.approx(8018.75 * US)
@@ -77,15 +79,19 @@ def test_oktopk_at_large_p_and_zen_among_exact_schemes_or_when_selections_coinci
     #   allreduce  2 * 255/256 * 4 * 10^8 ns                               = 797 ms
     #   allgather  255 * 8 * 10^6 ns                                       = 2040 ms
     #   zen        255/256 * (8 * 10^6 + min(12.5 * 10^6 + 4K, 8K)) ns     = 388 ms
-    #   oktopk     3 * 255/256 * 8 * 10^6 ns = 23.9 ms, plus the exact threshold's gather of
-    #              K/P magnitudes per owner every 32 rounds: 255 * 4K/256 / 32 ns = 11.5 ms -> 35.4 ms
+    #   oktopk     split 255/256 * 8 * 10^6 ns = 7968.75 us, the kept entries 1.1x that and the
+    #              balance a third of them on a reused threshold's round (1x and 1/3 on an exact
+    #              one): 31/32 * 2.467 * 7968.75 + 1/32 * 2.333 * 7968.75 = 19.62 ms; 4 collectives
+    #              and 2 grid gathers (255 * 24 * 8 B) 31 rounds in 32: 4 * 50 us + 2.04 us + 31/32
+    #              * 2 * 98.96 us = 0.39 ms; every 32 rounds the exact threshold's gather of K/P
+    #              magnitudes per owner: 255 * 4K/256 ns / 32 = 11.50 ms -> 31.5 ms
     shape = BufferShape(dense=0, sparse=10**8, k=10**6)
     assert expected_nonzeros(10**8, 10**6, 256) == pytest.approx(92.37e6, rel=1e-3)
     assert choose_scheme(shape, links(256)) == "oktopk"
-    assert buffer_seconds("oktopk", shape, links(256)) == pytest.approx(35.4e-3, rel=0.01)
+    assert buffer_seconds("oktopk", shape, links(256)) == pytest.approx(31.5e-3, rel=0.01)
     assert choose_scheme(shape, links(256), EXACT_SCHEMES) == "zen"
     # every rank selects the same positions (spread 0): K = k, so zen's pull shrinks to 8k B:
-    #   zen = 255/256 * 16 * 10^6 ns = 15.9 ms < oktopk's 23.9 ms (its threshold gather: 4k/256 B per owner)
+    #   zen = 255/256 * 16 * 10^6 ns = 15.9 ms < oktopk's 19.62 + 0.39 ms (its threshold gather: 4k/256 B per owner)
     assert choose_scheme(shape, links(256), spread=0.0) == "zen"
 
 
@@ -94,7 +100,10 @@ def test_hierarchical_sync_wins_when_the_node_link_is_fast():
     # 0.01 ns/B. N = 10^6, k = 10^4 (1%); independent selections.
     # Flat: allgather 50 + 7 * 8 * 10^4 ns = 610 us; sparcml (messages of 50/7 us) 6 * 7.14 +
     #   8 * (10^4 + 19,900 + 39,404) ns = 597 us; zen 200 + 7/8 * (8 * 10^4 + 434,020) ns = 650 us;
-    #   oktopk 250 + 210 + 1.4 + 320/32 = 471 us -> oktopk.
+    #   oktopk 4 collectives 200 us + counts 0.06 us + split 70 us + 31/32 * (kept 77 + balance 25.7
+    #   + 2 grid gathers 102.7 us) + 1/32 * (kept 70 + balance 23.3 + the exact threshold's sizes,
+    #   kept counts and 7 * 4 * K/8 ns of magnitudes: 420.5 us) + the regions' all-reduce 50.1 / 64 us
+    #   = 486 us -> oktopk.
     # Hierarchical: inside the node, reduce-scatter and all-gather of 4 * 10^6 B, 3/4 of it each:
     #   2 * (5 + 30) = 70 us; a node's union of 4 selections is 39,404, 9,851 per stripe of 250,000;
     #   across the 2 nodes sparcml sends its header and its 9,851 pairs: 100 + 78.8 = 178.8 us -> 248.8 us
@@ -104,7 +113,7 @@ def test_hierarchical_sync_wins_when_the_node_link_is_fast():
     flat = links(8)
     hierarchy = (links(4, alpha_us=5, ns_per_byte=0.01), links(2))
     assert choose_scheme(shape, flat) == "oktopk"
-    assert buffer_seconds("oktopk", shape, flat) == pytest.approx(471e-6, rel=0.01)
+    assert buffer_seconds("oktopk", shape, flat) == pytest.approx(486e-6, rel=0.01)
     best = choose_scheme(shape, flat, SCHEMES + HIERARCHICAL_SCHEMES, hierarchy=hierarchy)
     assert best == "hierarchical:sparcml"
     assert scheme_seconds(best, shape, flat, hierarchy=hierarchy) == pytest.approx(248.8e-6, rel=0.01)
@@ -308,6 +317,95 @@ def test_the_choices_and_measured_links_survive_a_checkpoint():
 def test_auto_is_the_ssfusion_presets_default():
     assert SYSTEM_PRESETS["ssfusion"][1]["comm"] == "auto"
     assert SYSTEM_PRESETS["ssfusion_spawn"][1]["comm"] == "auto"
+
+
+# --------------------------------------------------------------------------- Ok-Topk's rounds, counted
+def oktopk_inputs(world: int, block: int, shared: int, own: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per rank (values, positions): in every block j of ``block`` elements, the ``shared`` positions
+    at the block's start that every rank selects (values about 10), then ``own`` positions of the
+    rank's own (values about 2^-rank). The blocks' starts are every rank's P-quantiles, so they are
+    the regions' edges; the top k of the sum is the shared positions and rank 0's own ones."""
+    inputs = []
+    for rank in range(world):
+        positions, values = [], []
+        for j in range(world):
+            start = j * block
+            mine = start + shared + rank * own
+            positions += [*range(start, start + shared), *range(mine, mine + own)]
+            values += [10 + 0.01 * i for i in range(shared)] + [2.0**-rank * (1 + 0.001 * (j * own + i)) for i in range(own)]
+        inputs.append((torch.tensor(values), torch.tensor(positions)))
+    return inputs
+
+
+def oktopk_round_collectives(inputs, numel: int, k: int, rounds: int) -> list[tuple[list[tuple[str, int]], int]]:
+    """Per round: every collective ``oktopk_reduce`` issued with the bytes this rank received in it,
+    and the global kept count."""
+    import ssfusion_lightning.comm.oktopk as oktopk
+    from ssfusion_lightning.comm.oktopk import OkTopkState, oktopk_reduce
+    from ssfusion_lightning.comm.traffic import Traffic
+
+    calls: list[str] = []
+
+    class Recording:  # torch.distributed as oktopk.py sees it; each collective is followed by one Traffic.add
+        def __getattr__(self, name):
+            target = getattr(dist, name)
+            if name not in ("all_reduce", "all_gather", "all_to_all_single"):
+                return target
+            return lambda *args, **kwargs: calls.append(name) or target(*args, **kwargs)
+
+    class Received(Traffic):
+        def __init__(self) -> None:
+            super().__init__()
+            self.each: list[int] = []
+
+        def add(self, sent, received, *padded) -> None:
+            self.each.append(int(received))
+            super().add(sent, received, *padded)
+
+    values, positions = inputs[dist.get_rank()]
+    state, out = OkTopkState(), []
+    oktopk.dist = Recording()
+    try:
+        for _ in range(rounds):
+            calls.clear()
+            traffic = Received()
+            oktopk_reduce(values, positions, numel, k, None, traffic, state)
+            assert len(calls) == len(traffic.each)
+            out.append((list(zip(calls, traffic.each)), state.last_count))
+    finally:
+        oktopk.dist = dist
+    return out
+
+
+def test_oktopk_rounds_issue_the_collectives_and_bytes_the_model_counts(pool4):
+    # P = 4 regions of 1000 elements; per region 5 shared positions and 5 of each rank's own:
+    # k = 4 * 10 = 40 per rank, K = 4 * (5 + 4 * 5) = 100 nonzeros in the sum, 25 per region. Round 0
+    # re-cuts the regions and finds the exact threshold, round 1 reuses it (pair 8 B, counts 8 B):
+    #   re-cut     all-reduce of 3 boundaries: 2 * 3/4 * 24                   =  36 B
+    #   counts     all_to_all: 3 * 8                                           =  24 B
+    #   split      all_to_all: 3/4 * 40 * 8                                    = 240 B
+    #   exact      sizes 24 B, top magnitudes 3 * 25 * 4 = 300 B, kept counts 24 B
+    #   reused     two grids of 24 counts: 2 * 3 * 24 * 8                     = 1152 B
+    #   balance    every owner keeps 10 = C/P, nothing crosses a slice: 0 B; modelled 1/3 * 240 = 80 B
+    #   kept       allgather of C = k = 40 entries: 3/4 * 40 * 8              = 240 B
+    # round 0: 36 + 24 + 240 + 348 + 0 + 240 = 888 B (modelled 968 B); round 1: 24 + 240 + 1152 + 0 + 240
+    # = 1656 B (modelled 1736 B)
+    world, block, shared, own = 4, 1000, 5, 5
+    numel, k, nonzeros = world * block, world * (shared + own), world * (shared + world * own)
+    results = pool4.run(oktopk_round_collectives, oktopk_inputs(world, block, shared, own), numel, k, 2)
+    kinds = {"all_reduce": "allreduce", "all_gather": "allgather", "all_to_all_single": "alltoall"}
+    shape = BufferShape(dense=0, sparse=numel, k=k)
+    for step, (exact, recut, total) in enumerate(((True, True, 888), (False, False, 1656))):
+        model = oktopk_collectives(shape, world, nonzeros, exact, recut, kept=k)
+        rounds = [rank[step] for rank in results]
+        assert all(kept == k for _, kept in rounds)
+        for calls, _ in rounds:
+            assert [kinds[name] for name, _ in calls] == [kind for kind, _ in model]
+        received = [sum(calls[i][1] for calls, _ in rounds) / world for i in range(len(model))]
+        balance = len(model) - 2
+        assert received[balance] == 0 and model[balance][1] == pytest.approx(80)
+        assert received[:balance] + received[-1:] == pytest.approx([nbytes for _, nbytes in model[:balance] + model[-1:]])
+        assert sum(received) == total and sum(nbytes for _, nbytes in model) == pytest.approx(total + 80)
 
 
 # --------------------------------------------------------------------------- training on 2 ranks

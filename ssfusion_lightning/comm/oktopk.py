@@ -12,8 +12,9 @@ One round for a buffer's sparse part (``numel`` elements, each rank holding its 
    regions (each owner contributes its local top-k magnitudes, all-gathered); in between the
    stored threshold is reused and nudged within the round: the owners count their entries at
    24 geometric steps (x1.2) around it, one all-gather of those counts, and every rank takes the
-   largest step whose summed count still keeps k entries. A nudge after the fact let the count drift to 2k and
-   the bytes past the 3(P-1)/P k(v+x) bound; the counts cost 24 integers per rank. Owners keep
+   largest step whose summed count still keeps k entries; a second all-gather of counts at 24
+   linear steps inside that step refines it. A nudge after the fact let the count drift to 2k and
+   the bytes past the 3(P-1)/P k(v+x) bound; the counts cost 2 x 24 integers per rank. Owners keep
    |sum| >= threshold.
 3. balance and allgather: the kept entries, in global index order, are re-cut into P slices of
    ceil(C/P) (all_to_all moves only what crosses a slice boundary), then one equal-sized
@@ -44,11 +45,17 @@ from ssfusion_lightning.comm.channels import Channel
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
 from ssfusion_lightning.comm.schemes import COUNT_BYTES, accumulation_dtype, bytes_as, wire_index_dtype
 from ssfusion_lightning.comm.traffic import Traffic
-from ssfusion_lightning.commcost import ring_allreduce_bytes
+from ssfusion_lightning.commcost import (
+    OKTOPK_GRID,
+    OKTOPK_REBALANCE_EVERY,
+    OKTOPK_THRESHOLD_EVERY,
+    ring_allreduce_bytes,
+)
 from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
-#: the reused threshold's grid: REUSE_RATIO ** j for j in [-REUSE_STEPS/2, REUSE_STEPS/2)
-REUSE_STEPS = 24
+#: the reused threshold's grid: REUSE_RATIO ** j for j in [-REUSE_STEPS/2, REUSE_STEPS/2) (commcost
+#: charges its counts)
+REUSE_STEPS = OKTOPK_GRID
 REUSE_RATIO = 1.2
 
 
@@ -201,8 +208,8 @@ def oktopk_reduce(
     group: dist.ProcessGroup | None,
     traffic: Traffic,
     state: OkTopkState,
-    rebalance_every: int = 64,
-    threshold_every: int = 32,
+    rebalance_every: int = OKTOPK_REBALANCE_EVERY,
+    threshold_every: int = OKTOPK_THRESHOLD_EVERY,
     votes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One Ok-Topk round; returns (dense result in values' dtype, applied positions int64 sorted)."""
@@ -358,7 +365,9 @@ class OkTopkCommunicator(SchemeCommunicator):
     split = True
     exact = False
 
-    def __init__(self, rebalance_every: int = 64, threshold_every: int = 32, **options: Any) -> None:
+    def __init__(
+        self, rebalance_every: int = OKTOPK_REBALANCE_EVERY, threshold_every: int = OKTOPK_THRESHOLD_EVERY, **options: Any
+    ) -> None:
         super().__init__(**options)
         for label, value in (("rebalance_every", rebalance_every), ("threshold_every", threshold_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
