@@ -945,7 +945,7 @@ def run_layouts(args: argparse.Namespace, alpha: float, base_world: int, unshape
     (args.out / "simulate_layouts.md").write_text("# Cost model on nodes of several ranks\n\n" + text + "\n")
     plot_layouts(projection, layout_check, args.out / "simulate_layouts.png")
     if not args.no_report and args.out.resolve() == RESULTS.resolve():
-        from experiments.bench_e2e import update_report as update
+        from experiments.common import update_report as update
 
         if update(text, marker="simulate-layouts"):
             print(f"updated the simulate-layouts block of {REPORT}")
