@@ -14,9 +14,9 @@ from torch import nn
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.commcost import ring_allreduce_bytes
 from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
-from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
+from ssfusion_lightning.fusion import FUSION_POLICIES, CompressContext, ErrorFeedback, PlanContext
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
-from ssfusion_lightning.vocabulary import ParamSpec, cut_by_bytes
+from ssfusion_lightning.vocabulary import ParamSpec, Slot, cut_by_bytes
 
 POLICIES = ["layerwise", "behind", "ahead", "aligned", "adaptive", "selective", "partial"]
 EXACT_COMMS = ["allreduce", "allgather", "hybrid", "zen", "sparcml"]
@@ -345,3 +345,51 @@ def test_small_first_buffer_launches_during_backward_and_sums_exactly(pool2, fus
     for _, _, written, _ in results:
         for name, grad in written.items():
             assert torch.equal(grad, expected[name]), name
+
+
+# --------------------------------------------------------------------------- dense slots packed together
+@st.composite
+def dense_buffers(draw):
+    """Dense slots of a buffer (4-D ones sometimes channels_last), some of which owe residual
+    state, and the subset packed together (the rest went their own way: the runs have gaps)."""
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
+    shapes = draw(st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 2, 2), (4, 2, 3, 3)]), min_size=1, max_size=8))
+    grads, slots, offset = [], [], 0
+    for i, shape in enumerate(shapes):
+        grad = torch.randn(shape).to(dtype)
+        if len(shape) == 4 and draw(st.booleans()):
+            grad = grad.contiguous(memory_format=torch.channels_last)
+        numel = grad.numel()
+        slots.append(Slot(f"p{i}", i, shape, offset, numel, False, numel))
+        grads.append(grad)
+        offset += numel
+    owing = draw(st.lists(st.booleans(), min_size=len(shapes), max_size=len(shapes)))
+    packed = draw(st.lists(st.booleans(), min_size=len(shapes), max_size=len(shapes)))
+    return dtype, slots, grads, owing, packed, draw(st.sampled_from([1.0, 0.5, 1 / 3]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(dense_buffers())
+def test_packing_dense_slots_together_writes_what_one_call_per_slot_writes(case):
+    dtype, slots, grads, owing, packed, scale = case
+
+    def run(together: bool):
+        memory = build_memory("residual")
+        for slot, owes in zip(slots, owing):
+            if owes:  # state from rounds the tensor was sparse
+                memory.residuals[slot.name] = torch.full(slot.shape, 0.25, dtype=dtype)
+        ctx = CompressContext(build_sparsifier("topk", density=0.1), ErrorFeedback(memory), scale, dtype=dtype)
+        out = torch.full((sum(s.numel for s in slots),), float("nan"), dtype=dtype)
+        policy = FUSION_POLICIES.build("ahead")
+        chosen = [(s, g) for s, g, p in zip(slots, grads, packed) if p]
+        if together:
+            pieces = policy.pack_dense_slots([s for s, _ in chosen], [g for _, g in chosen], out, ctx) if chosen else []
+        else:
+            pieces = [policy.compress_slot(s, g, out, ctx) for s, g in chosen]
+        updates = [(p.update.key, p.update.offset) if p.update else None for p in pieces]
+        return out, updates
+
+    (a, updates_a), (b, updates_b) = run(True), run(False)
+    assert torch.equal(a.isnan(), b.isnan())  # the same elements written, nothing else
+    assert torch.equal(a.nan_to_num(), b.nan_to_num())  # bitwise, in every dtype
+    assert updates_a == updates_b

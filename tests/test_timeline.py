@@ -154,8 +154,9 @@ def test_every_buffer_follows_the_data_path_in_order(recorded, config):
             (write,) = phases[("write", b)]
             selects = phases[("select", b)]
             assert comms and selects, (config, b, sorted(phases))
-            # selection ends before the buffer is packed (per-tensor) or launched (whole buffer)
-            packed = phases[("pack", b)][0].start_ns if config[0] != "behind" else launch.start_ns
+            # selection ends before the buffer's message is packed (per-tensor: its last pack span,
+            # after the one that copies its dense tensors in) or launched (whole buffer)
+            packed = phases[("pack", b)][-1].start_ns if config[0] != "behind" else launch.start_ns
             assert all(s.end_ns <= packed for s in selects)
             # the collectives are submitted inside the launch, and end before the wait returns
             assert all(launch.start_ns <= c.start_ns and c.end_ns <= wait.end_ns for c in comms)

@@ -4,12 +4,14 @@ Free of Lightning: the strategy creates it with the model's parameters and its o
 calls ``finish`` after every backward and toggles ``sync_enabled`` for gradient accumulation.
 
 In the hook of each parameter, as its gradient becomes ready, a per-tensor policy compensates
-and selects that tensor right away (or scales it into the dense part), on this thread or on the
-offload worker as the plan decided: compression hides behind the rest of the backward. When a
-buffer is complete and every earlier one has launched, its small sparse tensors (below
-``BATCH_BELOW`` elements, whose selection costs mostly its fixed overhead) are selected together
-in one batched call, then its pieces are packed in slot order and launched. Whole-buffer policies
-(``behind``) compress the complete buffer instead.
+and selects that tensor right away, on this thread or on the offload worker as the plan decided:
+compression hides behind the rest of the backward. When a buffer is complete and every earlier one
+has launched, its small sparse tensors (below ``BATCH_BELOW`` elements, whose selection costs
+mostly its fixed overhead) are selected together in one batched call, and its dense tensors are
+copied into the dense part and scaled, a few tensor ops for all of them (a copy costs no more
+then than in the hook, and one call per tensor cost more CPU than DDP's bucket copy); then its
+pieces are packed in slot order and launched. Whole-buffer policies (``behind``) compress the
+complete buffer instead.
 
 Beside this module: a round's state (``round.py``, made afresh for every round), the control
 agreements that end a round (``agreement.py``), and the state checkpoints keep (``state.py``).
@@ -417,30 +419,43 @@ class FusionEngine:
                 self._round.launched.append(self.offloader.submit(self._pack_and_launch, buffer))
 
     def _batched(self, slot: Slot) -> bool:
-        """Whether a tensor waits for its buffer's batched selection instead of its own in the hook."""
-        return slot.sparse and slot.numel < BATCH_BELOW and slot.param not in self._offloaded
+        """Whether a tensor waits for its buffer's batched work instead of its own in the hook: a
+        dense one, or a small sparse one that is not offloaded."""
+        return not slot.sparse or (slot.numel < BATCH_BELOW and slot.param not in self._offloaded)
 
     def _compress_rest(self, buffer: Buffer) -> None:
-        """The buffer's pieces not made in the hooks: its small sparse tensors, in one batched
-        selection, and those with no gradient on this rank (they send zeros, so every rank issues
-        alike)."""
-        pieces, batch, grads = self._round.pieces[buffer.index], [], []
+        """The buffer's pieces not made in the hooks: its dense tensors, copied in together, its
+        small sparse tensors, in one batched selection, and those with no gradient on this rank
+        (they send zeros, so every rank issues alike)."""
+        pieces, dense, sparse = self._round.pieces[buffer.index], [], []
         for j, slot in enumerate(buffer.slots):
             if pieces[j] is None:
                 grad = self._grad(slot.param) if self._batched(slot) else None
                 if grad is not None:
-                    batch.append(j)
-                    grads.append(grad)
+                    (sparse if slot.sparse else dense).append((j, grad))
                 else:
                     self._compress_slot(buffer, j)
-        if not batch:
-            return
-        slots = [buffer.slots[j] for j in batch]
+        if dense:
+            self._pack_dense(buffer, dense)
+        if sparse:
+            self._select_batch(buffer, sparse)
+
+    def _pack_dense(self, buffer: Buffer, batch: list[tuple[int, Tensor]]) -> None:
+        slots = [buffer.slots[j] for j, _ in batch]
+        pieces = self._round.pieces[buffer.index]
+        with self.timeline.span("pack", buffer.index, f"{len(slots)} dense tensors"):
+            made = self.policy.pack_dense_slots(slots, [g for _, g in batch], self._dense_out(buffer), self._context(buffer))
+            for (j, _), piece in zip(batch, made):
+                pieces[j] = piece
+
+    def _select_batch(self, buffer: Buffer, batch: list[tuple[int, Tensor]]) -> None:
+        slots, grads = [buffer.slots[j] for j, _ in batch], [g for _, g in batch]
+        pieces = self._round.pieces[buffer.index]
         ctx = self._context(buffer)
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
             self._round.vote.note(all_finite(grads))
-            for j, piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
+            for (j, _), piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
                 pieces[j] = piece
         self.metrics.compress_seconds += time.perf_counter() - started
 

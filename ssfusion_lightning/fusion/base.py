@@ -153,6 +153,30 @@ class FusionPolicy(ABC):
             for slot, grad, tensor, selection in zip(slots, grads, compensated, selections)
         ]
 
+    def pack_dense_slots(
+        self, slots: Sequence[Slot], grads: Sequence[Tensor], dense_out: Tensor, ctx: CompressContext
+    ) -> list[Piece]:
+        """Dense slots that all have a gradient, written as ``compress_slot`` writes each, but one
+        concatenation and one scaling per run of adjacent slots instead of a call per tensor (the
+        per-tensor dispatch cost the dense engine more CPU than DDP's C++ bucket copy)."""
+        pieces, run, sources = [], [], []
+        for slot, grad in zip(slots, grads):
+            compensated = ctx.feedback.compensate_dense(slot.name, grad)
+            source = grad if compensated is None else compensated
+            pieces.append(Piece(update=None if compensated is None else PendingUpdate(slot.name, grad, None, slot.offset)))
+            if not source.is_contiguous():
+                # through a view in the slot's shape: no contiguous copy of a channels_last gradient
+                torch.mul(source, ctx.scale, out=dense_out[slot.offset : slot.offset + slot.numel].view(slot.shape))
+                continue
+            if run and run[-1].offset + run[-1].numel != slot.offset:
+                _write_run(run, sources, dense_out, ctx.scale)
+                run, sources = [], []
+            run.append(slot)
+            sources.append(source.view(-1))
+        if run:
+            _write_run(run, sources, dense_out, ctx.scale)
+        return pieces
+
     def _sparse_piece(
         self, slot: Slot, grad: Tensor, compensated: Tensor, selection: tuple[Tensor, Tensor], ctx: CompressContext
     ) -> Piece:
@@ -181,6 +205,13 @@ class FusionPolicy(ABC):
         """The whole buffer at once (what the engine calls for policies that are not ``per_tensor``)."""
         pieces = [self.compress_slot(slot, grad, dense_out, ctx) for slot, grad in zip(buffer.slots, grads)]
         return self.pack(buffer, pieces, dense_out, ctx)
+
+
+def _write_run(run: Sequence[Slot], sources: Sequence[Tensor], dense_out: Tensor, scale: float) -> None:
+    """Adjacent dense slots: their tensors concatenated into their range of the buffer, scaled in place."""
+    packed = dense_out[run[0].offset : run[-1].offset + run[-1].numel]
+    torch.cat(sources, out=packed)
+    packed.mul_(scale)
 
 
 def idle_selection(slot: Slot, ctx: CompressContext, aligned: bool) -> tuple[Tensor, Tensor]:
