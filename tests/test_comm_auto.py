@@ -37,6 +37,7 @@ from ssfusion_lightning.commcost import (
     scheme_seconds,
 )
 from ssfusion_lightning.costmodel import CostProfile
+from ssfusion_lightning.fusion.cut import recut_dense_runs
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.vocabulary import Buffer, Plan, Slot
 from tests.workloads import Regressor, make_trainer, regression_data
@@ -195,6 +196,31 @@ def test_a_buffer_goes_dense_where_its_all_reduce_beats_selection_plus_the_best_
 def test_the_selections_stay_where_the_fallback_does_not_apply(auto, costs):
     plan = auto.assign(one_buffer_plan(), CommContext(2, costs, {0: 4}))
     assert plan.notes["comm"] != ["dense"] and plan.buffers[0].slots == one_buffer_plan().buffers[0].slots
+
+
+def test_runs_of_buffers_sent_dense_take_the_layout_of_dense_buffers():
+    # buffers 0-1 and 3 went dense, buffer 2 stayed sparse; fp32 tensors of 100, 50, 30 | 500 |
+    # 80, 20 elements. Caps of 400 B, the first buffer's 200 B: run 0-1 -> [a] (400 B > 200 B:
+    # alone, as DDP's first bucket), [b, c] (320 B); buffer 2 as it was; run 3 -> [e, f] (400 B)
+    plan = Plan(
+        (
+            Buffer(0, (Slot("a", 0, (100,), 0, 100, False, 100), Slot("b", 1, (50,), 100, 50, False, 50)), 0, "allreduce"),
+            Buffer(1, (Slot("c", 2, (30,), 0, 30, False, 30),), 1, "allreduce"),
+            Buffer(2, (Slot("d", 3, (500,), 0, 500, True, 5),), 0, "allgather"),
+            Buffer(3, (Slot("e", 4, (80,), 0, 80, False, 80), Slot("f", 5, (20,), 80, 20, False, 20)), 1, "allreduce"),
+        ),
+        {"comm": ["dense", "dense", "allgather", "dense"], "thresholds": [0, 0, 0, 0]},
+    )
+    recut = recut_dense_runs(plan, "dense", lambda position: torch.float32, 3, 400, 200)
+    assert [[(s.name, s.offset) for s in b.slots] for b in recut.buffers] == [
+        [("a", 0)], [("b", 0), ("c", 50)], [("d", 0)], [("e", 0), ("f", 80)],
+    ]
+    assert [(b.index, b.channel, b.comm) for b in recut.buffers] == [
+        (0, 0, "allreduce"), (1, 1, "allreduce"), (2, 2, "allgather"), (3, 0, "allreduce"),
+    ]
+    assert recut.notes == {"comm": ["dense", "dense", "allgather", "dense"], "thresholds": [0, 0, 0, 0]}
+    assert all(not s.sparse and s.k == s.numel for b in recut.buffers if b.comm == "allreduce" for s in b.slots)
+    assert recut_dense_runs(Plan(plan.buffers, {"comm": ["allreduce"] * 4}), "dense", None, 3, 400, 200).buffers == plan.buffers
 
 
 def test_dense_fallback_must_be_a_bool():

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet, Communicator, PendingReduction, Reduced
+from ssfusion_lightning.comm.auto import DENSE
 from ssfusion_lightning.comm.base import CommContext
 from ssfusion_lightning.comm.channels import Completed
 from ssfusion_lightning.commcost import ring_allreduce_bytes
@@ -44,6 +45,7 @@ from ssfusion_lightning.engine.offload import Offloader, to_device
 from ssfusion_lightning.engine.round import Round
 from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
+from ssfusion_lightning.fusion.cut import recut_dense_runs
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
 from ssfusion_lightning.timeline import Timeline
@@ -246,6 +248,10 @@ class FusionEngine:
         hierarchy = self.channels[0].hierarchy
         layout = (hierarchy.ranks_per_node, hierarchy.nodes) if hierarchy is not None else None
         plan = self.communicator.assign(plan, CommContext(self.world_size, self.costs, sizes, layout))
+        plan = recut_dense_runs(
+            plan, DENSE, lambda position: self.params[position].dtype, len(self.channels),
+            self.config.buffer_bytes, self.config.first_buffer_bytes,
+        )
         self.plan = plan
         self._dense_plan = dense_version(plan)
         self._coo_buffers = tuple(

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import torch
+
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.vocabulary import ParamSpec, cut_by_bytes
+from ssfusion_lightning.vocabulary import Buffer, ParamSpec, Plan, Slot, cut_by_bytes
 
 Item = tuple[int, ParamSpec]
 
@@ -58,6 +60,49 @@ def cut_buffers(
     if costs is None or not costs.measured or not any(sparse_of(spec) for _, spec in params):
         return cut_by_bytes(params, DDP_BUFFER_BYTES, first)
     return cut_by_cost(params, costs, sparse_of, k_of, first_cap_bytes)
+
+
+def dense_caps(cap_bytes: float | None, first_cap_bytes: float | None) -> tuple[float, float | None]:
+    """The byte caps of buffers sent dense: the configured ones, or DDP's layout for "auto"."""
+    if cap_bytes is not None:
+        return cap_bytes, first_cap_bytes
+    return DDP_BUFFER_BYTES, DDP_FIRST_BUFFER_BYTES if first_cap_bytes is None else first_cap_bytes
+
+
+def recut_dense_runs(
+    plan: Plan, marker: str, dtype_of: Callable[[int], torch.dtype], num_channels: int,
+    cap_bytes: float | None, first_cap_bytes: float | None,
+) -> Plan:
+    """Every run of adjacent buffers whose note in ``plan.notes["comm"]`` is ``marker`` (sent
+    dense by comm=auto's fallback) re-cut as dense buffers are (``dense_caps``). The cut was made
+    for sparse buffers: on a small model one buffer, whose all-reduce would start only after the
+    whole backward, where DDP's small first bucket starts during it. Other buffers stay as they
+    are; all are renumbered in order."""
+    notes = list(plan.notes.get("comm", ()))
+    if marker not in notes:
+        return plan
+    dense = [note == marker for note in notes]
+    cap, first = dense_caps(cap_bytes, first_cap_bytes)
+    groups: list[tuple[list[Slot], str, bool]] = []
+    j = 0
+    while j < len(plan.buffers):
+        if not dense[j]:
+            groups.append((list(plan.buffers[j].slots), plan.buffers[j].comm, False))
+            j += 1
+            continue
+        run = []
+        while j < len(plan.buffers) and dense[j]:
+            run.append(plan.buffers[j])
+            j += 1
+        items = [(slot.param, ParamSpec(slot.name, slot.shape, dtype_of(slot.param))) for b in run for slot in b.slots]
+        for group in cut_by_bytes(items, cap, first if run[0] is plan.buffers[0] else None):
+            offsets = [0]
+            for _, spec in group:
+                offsets.append(offsets[-1] + spec.numel)
+            slots = [Slot(spec.name, param, spec.shape, offset, spec.numel, False, spec.numel) for (param, spec), offset in zip(group, offsets)]
+            groups.append((slots, run[0].comm, True))
+    buffers = tuple(Buffer(i, tuple(slots), i % num_channels, comm) for i, (slots, comm, _) in enumerate(groups))
+    return Plan(buffers, {**plan.notes, "comm": [marker if marked else comm for _, comm, marked in groups]})
 
 
 def cut_by_cost(
