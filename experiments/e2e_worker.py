@@ -307,17 +307,29 @@ def _intervals(starts: list[float], end: float | None, excluded: dict[int, float
     return [b - a - excluded.get(i, 0.0) for i, (a, b) in enumerate(zip(marks, marks[1:]))]
 
 
-def plan_summary(engine: Any) -> dict[str, int]:
-    """Elements the engine's current plan sends dense, and the planned k of its sparse tensors."""
+def plan_summary(engine: Any) -> dict[str, Any]:
+    """Elements the engine's current plan sends dense, the planned k of its sparse tensors, the
+    collective of each buffer, and the agreed costs the plan was made from."""
     try:
-        buffers = engine.plan.buffers
+        plan = engine.plan
+        buffers = plan.buffers
+        # comm="auto" notes each buffer's choice, "dense" where its fallback sent it unsparsified
+        choices = plan.notes.get("comm") or [getattr(b, "comm", "") or "" for b in buffers]
+        costs = engine.costs
         return {
             "plan_buffers": len(buffers),
             "plan_dense_elements": sum(b.dense_numel for b in buffers),
             "plan_sparse_elements": sum(b.sparse_numel for b in buffers),
             "plan_sparse_k": sum(slot.k for b in buffers for slot in b.sparse_slots),
-            # the collective of every buffer where the communicator chose one (comm="auto")
-            "plan_comm": ";".join(str(getattr(b, "comm", "") or "") for b in buffers),
+            "plan_comm": ";".join(str(c) for c in choices),
+            "plan_costs": None if costs is None else {
+                "allreduce": [costs.allreduce.alpha, costs.allreduce.beta],
+                "allgather": [costs.allgather.alpha, costs.allgather.beta],
+                "compress": [costs.compress_fixed, costs.compress_per_element],
+                "buffer_overhead": costs.buffer_overhead,
+                "serial_cpu": costs.serial_cpu,
+                "selection_spread": costs.selection_spread,
+            },
         }
     except AttributeError:  # a changed engine API: the plan is only informative
         return {}

@@ -184,6 +184,8 @@ def test_e2e_worker_runs_two_tiny_configurations_on_two_emulated_nodes(tmp_path)
     assert len(ssf["step_cpu_seconds"]) == 2 and all(t > 0 for t in ssf["step_cpu_seconds"])
     assert 0 < ssf["engine"][-1]["bytes_sent"] < ssf["engine"][-1]["dense_equivalent_bytes"]
     assert ssf["plan_sparse_k"] > 0 and ssf["plan_buffers"] >= 1
+    # comm="auto" notes a choice per buffer; 2 steps measure no costs yet (profiling starts at step 1)
+    assert len(ssf["plan_comm"].split(";")) == ssf["plan_buffers"] and ssf["plan_costs"] is None
     assert math.isfinite(ssf["eval"]["val_loss"]) and 0 <= ssf["eval"]["val_acc"] <= 1
     # PowerSGD compresses from its third step on (start_powerSGD_iter=2): fewer bytes than its plain first step
     assert len(psgd["hook_payload"]) == 3 and 0 < psgd["hook_payload"][-1] < psgd["hook_payload"][0]
