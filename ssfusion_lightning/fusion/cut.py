@@ -28,12 +28,14 @@ Without costs yet (the profiling rounds), and for a dense sparsifier, "auto" is 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from itertools import groupby
 from typing import Callable, Sequence
 
 import torch
 
 from ssfusion_lightning.costmodel import CostProfile
-from ssfusion_lightning.vocabulary import Buffer, ParamSpec, Plan, Slot, cut_by_bytes
+from ssfusion_lightning.vocabulary import Buffer, ParamSpec, Plan, cut_by_bytes
 
 Item = tuple[int, ParamSpec]
 
@@ -56,9 +58,8 @@ def cut_buffers(
     agreed costs exist and some tensor is sparse, else DDP's layout."""
     if cap_bytes is not None:
         return cut_by_bytes(params, cap_bytes, first_cap_bytes)
-    first = DDP_FIRST_BUFFER_BYTES if first_cap_bytes is None else first_cap_bytes
     if costs is None or not costs.measured or not any(sparse_of(spec) for _, spec in params):
-        return cut_by_bytes(params, DDP_BUFFER_BYTES, first)
+        return cut_by_bytes(params, *dense_caps(None, first_cap_bytes))
     return cut_by_cost(params, costs, sparse_of, k_of, first_cap_bytes)
 
 
@@ -81,28 +82,19 @@ def recut_dense_runs(
     notes = list(plan.notes.get("comm", ()))
     if marker not in notes:
         return plan
-    dense = [note == marker for note in notes]
     cap, first = dense_caps(cap_bytes, first_cap_bytes)
-    groups: list[tuple[list[Slot], str, bool]] = []
-    j = 0
-    while j < len(plan.buffers):
-        if not dense[j]:
-            groups.append((list(plan.buffers[j].slots), plan.buffers[j].comm, False))
-            j += 1
+    recut: list[tuple[Buffer, bool]] = []
+    for is_dense, members in groupby(zip(plan.buffers, notes), key=lambda pair: pair[1] == marker):
+        run = [buffer for buffer, _ in members]
+        if not is_dense:
+            recut += [(buffer, False) for buffer in run]
             continue
-        run = []
-        while j < len(plan.buffers) and dense[j]:
-            run.append(plan.buffers[j])
-            j += 1
-        items = [(slot.param, ParamSpec(slot.name, slot.shape, dtype_of(slot.param))) for b in run for slot in b.slots]
-        for group in cut_by_bytes(items, cap, first if run[0] is plan.buffers[0] else None):
-            offsets = [0]
-            for _, spec in group:
-                offsets.append(offsets[-1] + spec.numel)
-            slots = [Slot(spec.name, param, spec.shape, offset, spec.numel, False, spec.numel) for (param, spec), offset in zip(group, offsets)]
-            groups.append((slots, run[0].comm, True))
-    buffers = tuple(Buffer(i, tuple(slots), i % num_channels, comm) for i, (slots, comm, _) in enumerate(groups))
-    return Plan(buffers, {**plan.notes, "comm": [marker if marked else comm for _, comm, marked in groups]})
+        slots = [slot for buffer in run for slot in buffer.slots]
+        specs = [(j, ParamSpec(slot.name, slot.shape, dtype_of(slot.param))) for j, slot in enumerate(slots)]
+        for group in cut_by_bytes(specs, cap, first if run[0] is plan.buffers[0] else None):
+            recut.append((Buffer(0, tuple(slots[j] for j, _ in group), 0, run[0].comm).densified(), True))
+    buffers = tuple(replace(buffer, index=i, channel=i % num_channels) for i, (buffer, _) in enumerate(recut))
+    return Plan(buffers, {**plan.notes, "comm": [marker if dense else buffer.comm for buffer, dense in recut]})
 
 
 def cut_by_cost(
