@@ -4,6 +4,7 @@ tiny sizes train on CPU, and the Lightning tasks fit, validate and test."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -332,6 +333,39 @@ def test_optimizers_leave_norms_and_biases_undecayed():
         assert len(decayed["params"]) + len(undecayed["params"]) == len(list(model.parameters()))
     with pytest.raises(ValueError, match="unknown optimizer 'lamb'; valid choices: sgd, adamw"):
         build_optimizer(model, "lamb", lr=0.1)
+
+
+def test_adamw_runs_fused_where_torch_has_the_kernel():
+    assert build_optimizer(torch.nn.Linear(4, 3), "adamw", lr=0.1).defaults["fused"] is True
+    assert build_optimizer(torch.nn.Linear(4, 3), "adamw", lr=0.1, fused=False).defaults["fused"] is False
+    assert build_optimizer(torch.nn.Linear(4, 3, device="meta"), "adamw", lr=0.1).defaults["fused"] is False
+
+
+@pytest.mark.parametrize(
+    ("precision", "clip", "fused"), [("32-true", 1.0, True), ("16-mixed", None, True), ("16-mixed", 1.0, False)]
+)
+def test_task_unfuses_adamw_only_where_lightning_must_clip_scaled_gradients(precision, clip, fused):
+    task = ImageClassifier(torch.nn.Linear(4, 3), num_classes=3, optimizer="adamw")
+    task._trainer = SimpleNamespace(precision=precision, gradient_clip_val=clip, estimated_stepping_batches=10)
+    assert task.configure_optimizers()["optimizer"].defaults["fused"] is fused
+
+
+def test_fused_adamw_takes_the_unfused_step_on_sparse_gradients():
+    """The fused kernel is a drop-in: the same parameters after steps on gradients that are
+    mostly exact zeros (the case it is chosen for)."""
+    torch.manual_seed(0)
+    start = torch.randn(4096)
+    grads = [torch.zeros(4096).index_fill_(0, torch.randint(0, 4096, (40,)), 1.0) * torch.randn(4096) for _ in range(5)]
+    params = []
+    for fused in (False, True):
+        param = torch.nn.Parameter(start.clone())
+        optimizer = torch.optim.AdamW([param], lr=1e-2, fused=fused)
+        for grad in grads:
+            param.grad = grad.clone()
+            optimizer.step()
+        params.append(param.detach())
+    torch.testing.assert_close(params[1], params[0], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(params[0], start)
 
 
 def test_lr_schedules():

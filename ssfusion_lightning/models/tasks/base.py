@@ -47,8 +47,16 @@ class Task(LightningModule):
         return self.model(inputs)
 
     def configure_optimizers(self) -> dict[str, Any]:
+        # a fused AdamW unscales a GradScaler's gradients itself, and Lightning then refuses to clip them
+        scaled_and_clipped = self.trainer.precision == "16-mixed" and bool(self.trainer.gradient_clip_val)
         optimizer = build_optimizer(
-            self.model, self.optimizer_name, self.lr, self.weight_decay, self.momentum, self.betas
+            self.model,
+            self.optimizer_name,
+            self.lr,
+            self.weight_decay,
+            self.momentum,
+            self.betas,
+            fused=False if scaled_and_clipped else None,
         )
         total_steps = int(self.trainer.estimated_stepping_batches)
         schedule = build_lr_schedule(optimizer, self.lr_schedule, total_steps, self.warmup_steps)

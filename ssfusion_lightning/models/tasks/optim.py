@@ -11,6 +11,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
+#: devices with a fused AdamW kernel in torch
+FUSED_ADAM_DEVICES = ("cpu", "cuda")
 
 
 def check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
@@ -25,11 +27,17 @@ def build_optimizer(
     weight_decay: float = 0.0,
     momentum: float = 0.9,
     betas: tuple[float, float] = (0.9, 0.999),
+    fused: bool | None = None,
 ) -> Optimizer:
     """SGD with momentum or AdamW; weight decay applies to weight matrices and kernels only.
 
     Biases and normalization scales (1-d parameters) are left undecayed: shrinking them towards zero
     only fights the normalization and hurts accuracy.
+
+    AdamW runs fused (``fused=None``: wherever every parameter is on CPU or CUDA). Besides being
+    one kernel per tensor, this matters for sparse training on CPU: the unfused step's
+    ``exp_avg_sq.sqrt()`` is about 6x slower on the exact zeros that a never-selected element
+    keeps there (measured in experiments/REPORT.md, "Adam's sqrt on zeros").
     """
     check_choice("optimizer", name, OPTIMIZERS)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -40,7 +48,9 @@ def build_optimizer(
     groups = [group for group in groups if group["params"]]
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+    if fused is None:
+        fused = all(p.device.type in FUSED_ADAM_DEVICES for p in params)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused)
 
 
 def build_lr_schedule(optimizer: Optimizer, name: str, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
