@@ -330,6 +330,46 @@ def test_candidates_counts_are_exact_and_nested():
     assert c.full_passes == 3  # 2.0, then 1.5, then 0.0: higher thresholds are answered inside
 
 
+def test_search_floor_brackets_a_low_first_count_without_another_pass():
+    x = torch.randn(1 << 17, generator=torch.Generator().manual_seed(2))
+    magnitudes = x.abs().sort(descending=True).values
+    k = 1000
+    first = float(magnitudes[int(0.5 * k)])  # counts 0.5k: under the band [0.9k, 1.25k]
+    floor = float(magnitudes[3 * k])  # counts 3k: over it
+    halving = selection.Candidates(x)
+    selection.search_threshold(halving, first, 0.9 * k, 1.25 * k, 4)
+    assert halving.full_passes == 2  # x0.5 lands below everything counted so far
+    bracketed = selection.Candidates(x)
+    bracketed.prepare(floor)
+    threshold, count = selection.search_threshold(bracketed, first, 0.9 * k, 1.25 * k, 4, floor=floor)
+    assert 0.9 * k <= count <= 1.25 * k and count == int((x.abs() >= threshold).sum())
+    assert bracketed.full_passes == 1
+    # the answer depends on the counts only: the same without the floor's pass made first
+    late = selection.Candidates(x)
+    assert selection.search_threshold(late, first, 0.9 * k, 1.25 * k, 4, floor=floor) == (threshold, count)
+
+
+def test_dgc_selects_in_one_pass_over_the_tensor(monkeypatch):
+    """The search floor (drawn from the same sample) makes the first pass a superset of what
+    the count band needs: before it, a quarter of these selections took a second pass."""
+    passes = []
+    original = selection.indices_at_least
+    monkeypatch.setattr(selection, "indices_at_least", lambda flat, t: passes.append(t) or original(flat, t))
+    dgc = build_sparsifier("dgc", density=0.01)
+    generator = torch.Generator().manual_seed(3)
+    calls = 0
+    for step in range(8):
+        for i, n in enumerate([1 << 16, 200_000, 590_000]):
+            x = torch.randn(n, generator=generator) * torch.rand(n, generator=generator) ** 4  # heavy-tailed
+            before = len(passes)
+            values, indices = dgc.select(x, key=f"t{i}")
+            calls += 1
+            assert 0.9 * n // 100 <= indices.numel() <= n // 100
+            assert len(passes) - before >= 1
+        dgc.advance()
+    assert len(passes) <= calls + 1
+
+
 def test_weyl_sample_positions_are_distinct():
     for n in [1, 10, 4096, 1 << 20, 3 * 5 * 7 * 11 * 13 * 17]:
         for size in [1, 100, 5000]:

@@ -501,6 +501,7 @@ def settle(
     ks: Sequence[int],
     thresholds: Sequence[float],
     rounds: int,
+    floor: Callable[[int], float] | None = None,
 ) -> None:
     """The rest of a threshold sparsifier's ``select`` after its first threshold per tensor:
     count, adjust while outside the band, select, trim (``sparsifier.band`` gives the band and
@@ -509,7 +510,9 @@ def settle(
     The first count of every tensor comes from one batched pass. A count inside the band ends
     the search right there (what ``search_threshold`` does with it), so the selection is that
     pass's, trimmed in the batch when above the cap. Any other tensor runs the per-tensor
-    search, seeded with the set already found, and the per-tensor ``finish``.
+    search, seeded with the set already found, and the per-tensor ``finish``. ``floor(i)``: the
+    search floor the sparsifier's own ``select`` gives tensor i (see ``search_threshold``), drawn
+    only for a tensor whose first count is under the band.
     """
     usable = [t > 0 and math.isfinite(t) for t in thresholds]
     counts = batch.at_least(in_dtype([t if ok else math.nan for t, ok in zip(thresholds, usable)], batch.dtype))
@@ -526,6 +529,7 @@ def settle(
             candidates = Candidates.known(flat, thresholds[i], batch.local(i, batch.candidates(i)))
         else:
             candidates = Candidates(flat)
-        threshold, _ = search_threshold(candidates, thresholds[i], low, high, rounds)
+        below = floor(i) if floor is not None and usable[i] and count < low else None
+        threshold, _ = search_threshold(candidates, thresholds[i], low, high, rounds, floor=below)
         batch.replace(i, sparsifier.finish(flat, candidates.select(threshold), k, cap))
     batch.trim(over, [ks[i] for i in over])

@@ -69,11 +69,16 @@ class DGCSparsifier(ThresholdSparsifier):
     def sample_offset(self, key: str) -> int:
         return stable_hash(f"dgc:{self.step}:{key}")
 
-    def sample_threshold(self, flat: Tensor, k: int, key: str) -> float:
-        n = flat.numel()
-        size = self.sample_size(n)
-        sample = sample_magnitudes(flat, size, offset=self.sample_offset(key))
-        return kth_largest(sample, math.ceil(k * size / n))
+    def sample(self, flat: Tensor, key: str) -> Tensor:
+        """This step's sampled magnitudes of a tensor (the same positions on every path)."""
+        return sample_magnitudes(flat, self.sample_size(flat.numel()), offset=self.sample_offset(key))
+
+    def search_floor(self, sample: Tensor, k: int, n: int) -> float:
+        """A threshold below the budget's, from the same sample, that selects more than the band's
+        top (1.25k) with high probability: the threshold search's bracket from below, so a first
+        count under the band costs no second pass (``selection.search_threshold``)."""
+        rank = math.ceil(k * sample.numel() / n)
+        return kth_largest(sample, math.ceil(1.25 * rank + FLOOR_Z * math.sqrt(1.25 * rank)) + 1)
 
     def band(self, k: int) -> tuple[float, float, float]:
         return 0.9 * k, 1.25 * k, k
@@ -85,9 +90,13 @@ class DGCSparsifier(ThresholdSparsifier):
             indices = torch.arange(flat.numel(), device=flat.device)
             return flat.index_select(0, indices), indices
         candidates = Candidates(flat)
-        threshold = self.sample_threshold(flat, k, key)
+        sample = self.sample(flat, key)
+        threshold = kth_largest(sample, math.ceil(k * sample.numel() / flat.numel()))
+        floor = self.search_floor(sample, k, flat.numel())
+        if 0 < floor < threshold:
+            candidates.prepare(floor)  # one pass answers the counts of the whole search
         low, high, cap = self.band(k)
-        threshold, _ = search_threshold(candidates, threshold, low, high, self.max_adjust)
+        threshold, _ = search_threshold(candidates, threshold, low, high, self.max_adjust, floor=floor)
         return self.finish(flat, candidates.select(threshold), k, cap)
 
     def select_many(
@@ -109,7 +118,14 @@ class DGCSparsifier(ThresholdSparsifier):
             rows.append((index, ranks))
         thresholds = np.empty(len(ks))
         thresholds[list(plan.row_of)] = batch.kth_largest(rows)
-        batched.settle(self, batch, tensors, ks, thresholds.tolist(), self.max_adjust)
+        batched.settle(
+            self, batch, tensors, ks, thresholds.tolist(), self.max_adjust,
+            floor=lambda i: self.search_floor(self.sample(tensors[i].reshape(-1), keys[i]), ks[i], tensors[i].numel()),
+        )
+
+
+#: z-score of the margin between the budget's sampled rank and the search floor's
+FLOOR_Z = 3.0
 
 
 def sample_size(n: int, min_sample: int, ratio: float) -> int:

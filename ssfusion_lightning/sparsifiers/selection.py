@@ -308,8 +308,15 @@ def search_threshold(
     rounds: int,
     down: float = 0.5,
     up: float = 1.5,
+    floor: float | None = None,
 ) -> tuple[float, int]:
     """Move ``threshold`` until ``lo <= count <= hi`` or ``rounds`` adjustments are spent.
+
+    ``floor``: a lower threshold expected to select more than ``hi``. When the first count is
+    below the band and the floor's count is above it, the two bracket the band from the start,
+    so the search interpolates between them instead of halving: where the floor's superset was
+    prepared first, no further pass over the tensor is needed. The answer depends only on the
+    counts, never on which pass made them.
 
     Multiplicative steps (``down`` when too few are selected, ``up`` when too many) until the
     target is bracketed by a too-low and a too-high threshold; from the second unbracketed step
@@ -324,6 +331,10 @@ def search_threshold(
     too_high: tuple[float, int] | None = None  # (threshold, count) with count < lo
     target = math.sqrt(max(lo, 0.5) * max(hi, 0.5))
     previous: tuple[float, int] | None = None
+    if floor is not None and rounds > 0 and count < lo and 0 < floor < threshold:
+        below = candidates.count(floor)
+        if below > hi:
+            too_low = (floor, below)
     for _ in range(rounds):
         if lo <= count <= hi or math.isnan(threshold):
             break
