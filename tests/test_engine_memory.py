@@ -141,7 +141,7 @@ class Probe(L.Callback):
             "formula": formula_bytes(engine),
             "selection": selection_bytes(engine),
             # ZEN keeps one partition per distinct buffer size (buffers of one size share it)
-            "zen_numel": sum({b.sparse_numel for b in engine.plan.buffers}),
+            "zen_blocks": sum(-(-n // zen.ZEN_BLOCK) for n in {b.sparse_numel for b in engine.plan.buffers}),
             "largest": max(p.numel() for p in engine.params),
         }
 
@@ -153,13 +153,13 @@ def memory_run(config: dict, steps: int = 7):
     strategy = ssf.SSFusionStrategy(**config)
     trainer = make_trainer(strategy, steps, callbacks=[probe])
     trainer.fit(Wide(), DataLoader(regression_data(), batch_size=16))
-    zen_bytes = sum(sum(s.untyped_storage().nbytes() for s in p.sets) for p in zen._PARTITIONS.values())
+    zen_bytes = sum(sum(b.untyped_storage().nbytes() for b in p.blocks) for p in zen._PARTITIONS.values())
     scratch = getattr(selection._SCRATCH, "buffers", {})
     return {
         **probe.facts,
         "persistent": probe.persistent[-1],
         "in_flight": probe.in_flight[-1],
-        "zen": (zen_bytes, probe.facts["zen_numel"] * 4 if config.get("comm") == "zen" else 0),
+        "zen": (zen_bytes, probe.facts["zen_blocks"] * 4 if config.get("comm") == "zen" else 0),
         "scratch": sum(t.untyped_storage().nbytes() for pair in scratch.values() for t in pair),
     }
 

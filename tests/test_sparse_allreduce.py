@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ssfusion_lightning.comm import SPARSE_SCHEMES, Traffic, sparse_allreduce
 from ssfusion_lightning.comm.oktopk import OkTopkCommunicator, OkTopkState, oktopk_reduce
-from ssfusion_lightning.comm.zen import ZenCommunicator, pack_bits, unpack_bits, zen_owner, zen_partition
+from ssfusion_lightning.comm.zen import ZEN_BLOCK, ZenCommunicator, pack_bits, unpack_bits, zen_owner, zen_partition
 
 SCHEMES = ("allgather", "zen", "sparcml")
 PATTERNS = ("random", "identical", "disjoint", "skewed", "empty")
@@ -279,12 +279,21 @@ def test_zen_load_balance_on_skewed_indices():
 def test_zen_partition_and_bitmap_codec():
     numel, world = 100_003, 3
     part = zen_partition(numel, world)
-    everything = torch.sort(torch.cat([s.to(torch.int64) for s in part.sets])).values
+    sets = [part.index_set(j) for j in range(world)]
+    everything = torch.sort(torch.cat(sets)).values
     assert torch.equal(everything, torch.arange(numel))
-    for j, s in enumerate(part.sets):
+    for j, s in enumerate(sets):
+        assert s.numel() == part.sizes[j]
         assert torch.all(s[1:] > s[:-1])
-        assert torch.all(zen_owner(s.to(torch.int64), world) == j)
-        assert torch.equal(part.local_slots(j, s.to(torch.int64)), torch.arange(s.numel()))
+        assert torch.all(zen_owner(s, world) == j)
+        assert torch.equal(part.local_slots(j, s), torch.arange(s.numel()))
+        assert torch.equal(part.global_indices(j, torch.arange(s.numel())), s)
+    # owners come in blocks: 16 consecutive indices share one, and the last block is cut at numel
+    owner = zen_owner(torch.arange(numel), world)
+    assert torch.all(owner.view(-1)[: numel // ZEN_BLOCK * ZEN_BLOCK].view(-1, ZEN_BLOCK).diff(dim=1) == 0)
+    assert len(set(owner[: 64 * ZEN_BLOCK : ZEN_BLOCK].tolist())) == world
+    # the kept state is one block id per 16 elements
+    assert sum(b.numel() for b in part.blocks) == math.ceil(numel / ZEN_BLOCK)
     assert zen_partition(numel, world) is part  # cached
     g = torch.Generator().manual_seed(0)
     for n in (0, 1, 7, 8, 9, 1000):
