@@ -280,6 +280,7 @@ def zen_sum(
     present = local != 0  # doubles as the bitmap: one bit per element of I_me
     nz = torch.nonzero(present).view(-1)
     mine_values = local[nz].to(dtype)  # cast once, by the owner
+    del local  # partition-sized: freed before the decoded total is allocated, not beside it
     count = torch.tensor([nz.numel()], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
@@ -291,6 +292,7 @@ def zen_sum(
         message = torch.cat([pack_bits(present), mine_values.view(torch.uint8)])
     else:
         message = torch.cat([part.global_indices(me, nz).to(wire).view(torch.uint8), mine_values.view(torch.uint8)])
+    del present
     assert message.numel() == size
     in_splits = [0 if j == me else size for j in range(world)]
     out_splits = [0 if j == me else formats[j][0] for j in range(world)]
