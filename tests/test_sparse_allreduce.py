@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ssfusion_lightning.comm import SPARSE_SCHEMES, Traffic, sparse_allreduce
 from ssfusion_lightning.comm.oktopk import OkTopkCommunicator, OkTopkState, oktopk_reduce
-from ssfusion_lightning.comm.zen import ZEN_BLOCK, ZenCommunicator, pack_bits, unpack_bits, zen_owner, zen_partition
+from ssfusion_lightning.comm.zen import ZEN_BLOCK, ZenCommunicator, bitmap_of, unpack_bits, zen_owner, zen_partition
 
 SCHEMES = ("allgather", "zen", "sparcml")
 PATTERNS = ("random", "identical", "disjoint", "skewed", "empty")
@@ -298,9 +298,10 @@ def test_zen_partition_and_bitmap_codec():
     g = torch.Generator().manual_seed(0)
     for n in (0, 1, 7, 8, 9, 1000):
         bits = torch.rand(n, generator=g) < 0.3
-        packed = pack_bits(bits)
+        packed = bitmap_of(bits.nonzero().view(-1), n)
         assert packed.numel() == math.ceil(n / 8)
         assert torch.equal(unpack_bits(packed, n), bits)
+    assert bitmap_of(torch.tensor([0, 9, 15]), 16).tolist() == [1, 2 + 128]  # least significant bit first
     # the hash is the same function of the index everywhere, including past 2^32
     big = torch.tensor([0, 1, 2**31, 2**32 + 5, 2**40 + 123], dtype=torch.int64)
     assert torch.equal(zen_owner(big, 5), zen_owner(big.clone(), 5))

@@ -174,25 +174,17 @@ def release_partitions_except(numels: set[int]) -> None:
 
 
 # --------------------------------------------------------------------------- bitmap codec
-def pack_bits(bits: Tensor) -> Tensor:
-    """bool tensor -> uint8 bitmap, least significant bit first (8 bits gathered per int64 word)."""
-    n = bits.numel()
-    if n % 8:
-        padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=bits.device)
-        padded[:n] = bits.view(torch.uint8)
-    else:
-        padded = bits.contiguous().view(torch.uint8)
-    if padded.storage_offset() % 8:
-        padded = padded.clone()
-    x = padded.view(torch.int64)  # byte i of a word holds bit i (little-endian), 0 or 1
-    x = x | (x >> 7)
-    x = x | (x >> 14)
-    x = x | (x >> 28)
-    return (x & 0xFF).to(torch.uint8)
+def bitmap_of(positions: Tensor, n: int) -> Tensor:
+    """uint8 bitmap of ``n`` bits with the bits at ``positions`` (distinct) set, least significant
+    bit first. O(len(positions)): no n-sized mask is built, only the n/8-byte bitmap."""
+    bitmap = torch.zeros((n + 7) // 8, dtype=torch.uint8, device=positions.device)
+    positions = positions.to(torch.int64)
+    # distinct bits of one byte: their sum is their OR
+    return bitmap.index_add_(0, positions >> 3, (1 << (positions & 7)).to(torch.uint8))
 
 
 def unpack_bits(packed: Tensor, n: int) -> Tensor:
-    """uint8 bitmap -> bool tensor of ``n`` elements (inverse of ``pack_bits``)."""
+    """uint8 bitmap -> bool tensor of ``n`` elements (inverse of ``bitmap_of``)."""
     x = packed.to(torch.int64)
     x = (x | (x << 28)) & 0x0000000F0000000F
     x = (x | (x << 14)) & 0x0003000300030003
@@ -277,8 +269,7 @@ def zen_sum(
     local.index_add_(0, part.local_slots(me, torch.cat(got_idx)), torch.cat(got_val).to(acc))
 
     # pull: nonzero counts (equal-sized all_gather), then each owner's bitmap or COO to all
-    present = local != 0  # doubles as the bitmap: one bit per element of I_me
-    nz = torch.nonzero(present).view(-1)
+    nz = torch.nonzero(local).view(-1)  # the bitmap's set bits: one bit per element of I_me
     mine_values = local[nz].to(dtype)  # cast once, by the owner
     del local  # partition-sized: freed before the decoded total is allocated, not beside it
     count = torch.tensor([nz.numel()], dtype=torch.int64, device=device)
@@ -289,10 +280,9 @@ def zen_sum(
     formats = [pull_message_bytes(part.sizes[j], nonzeros[j], vbytes, xbytes) for j in range(world)]
     size, as_bitmap = formats[me]
     if as_bitmap:
-        message = torch.cat([pack_bits(present), mine_values.view(torch.uint8)])
+        message = torch.cat([bitmap_of(nz, part.sizes[me]), mine_values.view(torch.uint8)])
     else:
         message = torch.cat([part.global_indices(me, nz).to(wire).view(torch.uint8), mine_values.view(torch.uint8)])
-    del present
     assert message.numel() == size
     in_splits = [0 if j == me else size for j in range(world)]
     out_splits = [0 if j == me else formats[j][0] for j in range(world)]
