@@ -16,6 +16,9 @@ from ssfusion_lightning.sparsifiers import batched
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, stable_hash
 from ssfusion_lightning.sparsifiers.selection import Candidates, kth_largest, sample_magnitudes, search_threshold
 
+#: z-score of the margin between the budget's sampled rank and the search floor's
+FLOOR_Z = 3.0
+
 
 @SPARSIFIERS.register("dgc")
 class DGCSparsifier(ThresholdSparsifier):
@@ -27,8 +30,9 @@ class DGCSparsifier(ThresholdSparsifier):
        so a fusion policy's per-tensor k is honoured; never the sample size as k).
     3. Select ``|x| >= threshold``. If the count is outside [0.9k, 1.25k], adjust the threshold
        at most ``max_adjust`` times (``selection.search_threshold``: x0.5 down / x1.5 up until
-       the band is bracketed, then interpolation inside the bracket); raising it is counted
-       inside the already-selected set, only lowering it costs another pass.
+       the band is bracketed, then interpolation inside the bracket). The one pass over the
+       tensor is made at a lower floor drawn from the same sample (``search_floor``), so every
+       count the search makes above the floor, raising or lowering, is counted inside that set.
     4. Trim to at most k by exact top-k among the selected elements.
 
     Count band: (0.9, 1.0) x k -- never more than k; fewer than 0.9k only when ``max_adjust``
@@ -118,14 +122,10 @@ class DGCSparsifier(ThresholdSparsifier):
             rows.append((index, ranks))
         thresholds = np.empty(len(ks))
         thresholds[list(plan.row_of)] = batch.kth_largest(rows)
-        batched.settle(
-            self, batch, tensors, ks, thresholds.tolist(), self.max_adjust,
-            floor=lambda i: self.search_floor(self.sample(tensors[i].reshape(-1), keys[i]), ks[i], tensors[i].numel()),
-        )
+        def floor(i: int) -> float:
+            return self.search_floor(self.sample(tensors[i].reshape(-1), keys[i]), ks[i], tensors[i].numel())
 
-
-#: z-score of the margin between the budget's sampled rank and the search floor's
-FLOOR_Z = 3.0
+        batched.settle(self, batch, tensors, ks, thresholds.tolist(), self.max_adjust, floor=floor)
 
 
 def sample_size(n: int, min_sample: int, ratio: float) -> int:
