@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 
 from ssfusion_lightning.comm import SPARSE_SCHEMES, Traffic, sparse_allreduce
 from ssfusion_lightning.comm.oktopk import OkTopkCommunicator, OkTopkState, oktopk_reduce
-from ssfusion_lightning.comm.zen import ZEN_BLOCK, ZenCommunicator, bitmap_of, unpack_bits, zen_owner, zen_partition
+from ssfusion_lightning.comm.zen import (
+    ZEN_BLOCK,
+    ZenCommunicator,
+    bit_positions,
+    bitmap_of,
+    owner_sums,
+    zen_owner,
+    zen_partition,
+)
 
 SCHEMES = ("allgather", "zen", "sparcml")
 PATTERNS = ("random", "identical", "disjoint", "skewed", "empty")
@@ -300,8 +308,9 @@ def test_zen_partition_and_bitmap_codec():
         bits = torch.rand(n, generator=g) < 0.3
         packed = bitmap_of(bits.nonzero().view(-1), n)
         assert packed.numel() == math.ceil(n / 8)
-        assert torch.equal(unpack_bits(packed, n), bits)
+        assert torch.equal(bit_positions(packed), bits.nonzero().view(-1))
     assert bitmap_of(torch.tensor([0, 9, 15]), 16).tolist() == [1, 2 + 128]  # least significant bit first
+    assert bit_positions(torch.tensor([1, 2 + 128], dtype=torch.uint8)).tolist() == [0, 9, 15]
     # the hash is the same function of the index everywhere, including past 2^32
     big = torch.tensor([0, 1, 2**31, 2**32 + 5, 2**40 + 123], dtype=torch.int64)
     assert torch.equal(zen_owner(big, 5), zen_owner(big.clone(), 5))
@@ -695,3 +704,26 @@ def test_count_at_least_is_the_kept_count(magnitudes, edges, dtype):
     m, e = torch.tensor(magnitudes, dtype=dtype), torch.tensor(edges, dtype=dtype)
     expected = [int((m >= float(edge)).sum()) for edge in e]
     assert count_at_least(m, e).tolist() == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 300),
+    pairs=st.integers(0, 400),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_owner_sums_are_the_dense_accumulators_bits(size, pairs, dtype, seed):
+    """ZEN's owner sums only the slots it received, yet gets the same bits a partition-sized
+    accumulator gets, exact zeros (cancellations) dropped as ``nonzero`` drops them."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, size, (pairs,), generator=g)
+    # small integers cancel to exact zeros; normals make the order of the additions matter
+    small = torch.randint(-2, 3, (pairs,), generator=g).to(dtype)
+    values = torch.where(torch.rand(pairs, generator=g) < 0.5, small, torch.randn(pairs, generator=g).to(dtype))
+    acc = torch.float32
+    dense = torch.zeros(size, dtype=acc).index_add_(0, slots, values.to(acc))
+    where, sums = owner_sums(slots, values, acc)
+    expected = torch.nonzero(dense).view(-1)
+    assert torch.equal(where, expected)
+    assert torch.equal(sums, dense[expected])

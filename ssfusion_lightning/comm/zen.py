@@ -145,6 +145,8 @@ class ZenPartition:
         return self.global_indices(rank, torch.arange(self.sizes[rank], device=self.blocks[rank].device))
 
 
+_BIT_SHIFTS = torch.arange(8, dtype=torch.int64)
+
 _PARTITIONS: dict[tuple[int, int, int, str], ZenPartition] = {}
 _PARTITIONS_LOCK = threading.Lock()
 _MAX_CACHED_ELEMENTS = 1 << 28
@@ -183,13 +185,24 @@ def bitmap_of(positions: Tensor, n: int) -> Tensor:
     return bitmap.index_add_(0, positions >> 3, (1 << (positions & 7)).to(torch.uint8))
 
 
-def unpack_bits(packed: Tensor, n: int) -> Tensor:
-    """uint8 bitmap -> bool tensor of ``n`` elements (inverse of ``bitmap_of``)."""
-    x = packed.to(torch.int64)
-    x = (x | (x << 28)) & 0x0000000F0000000F
-    x = (x | (x << 14)) & 0x0003000300030003
-    x = (x | (x << 7)) & 0x0101010101010101
-    return x.view(torch.uint8)[:n].view(torch.bool)
+def bit_positions(bitmap: Tensor) -> Tensor:
+    """The positions (int64, ascending) of the set bits of a ``bitmap_of`` bitmap. Only its
+    nonzero bytes are expanded, so the cost follows the set bits, not the bitmap's length."""
+    where = torch.nonzero(bitmap).view(-1)
+    bits = (bitmap[where].to(torch.int64).unsqueeze(1) >> _BIT_SHIFTS.to(bitmap.device)) & 1
+    return ((where.unsqueeze(1) << 3) + _BIT_SHIFTS.to(bitmap.device))[bits.bool()]
+
+
+def owner_sums(slots: Tensor, values: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """An owner's sums of received (partition slot, value) pairs: the distinct slots in ascending
+    order with their sums in ``acc``, exact zeros dropped (they need not travel). Sized by the
+    pairs, not the partition; each slot adds its values in the order received, as a dense
+    partition-sized accumulator would, so the sums are the same bits."""
+    distinct, inverse = torch.unique(slots, sorted=True, return_inverse=True)
+    sums = torch.zeros(distinct.numel(), dtype=acc, device=values.device)
+    sums.index_add_(0, inverse, values.to(acc))
+    kept = sums != 0
+    return distinct[kept], sums[kept]
 
 
 def pull_message_bytes(size: int, nonzeros: int, value_bytes: int, position_bytes: int) -> tuple[int, bool]:
@@ -257,7 +270,7 @@ def zen_sum(
     dist.all_to_all_single(inbox, outbox, out_splits, in_splits, group=group)
     traffic.add(sum(in_splits), sum(out_splits))
 
-    # the owner sums its partition in a partition-local buffer
+    # the owner sums the pairs it received, over the distinct slots of its partition
     got_idx, got_val = [idx_parts[me]], [val_parts[me]]
     for j, chunk in enumerate(torch.split(inbox, out_splits)):
         if j == me or recvs[j] == 0:
@@ -265,13 +278,10 @@ def zen_sum(
         cut = recvs[j] * xbytes
         got_idx.append(bytes_as(chunk[:cut], wire).to(torch.int64))
         got_val.append(bytes_as(chunk[cut:], dtype))
-    local = torch.zeros(part.sizes[me], dtype=acc, device=device)
-    local.index_add_(0, part.local_slots(me, torch.cat(got_idx)), torch.cat(got_val).to(acc))
+    nz, sums = owner_sums(part.local_slots(me, torch.cat(got_idx)), torch.cat(got_val), acc)
+    mine_values = sums.to(dtype)  # cast once, by the owner
 
     # pull: nonzero counts (equal-sized all_gather), then each owner's bitmap or COO to all
-    nz = torch.nonzero(local).view(-1)  # the bitmap's set bits: one bit per element of I_me
-    mine_values = local[nz].to(dtype)  # cast once, by the owner
-    del local  # partition-sized: freed before the decoded total is allocated, not beside it
     count = torch.tensor([nz.numel()], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
@@ -299,8 +309,7 @@ def zen_sum(
             continue
         if formats[j][1]:
             cut = (part.sizes[j] + 7) // 8
-            slots = torch.nonzero(unpack_bits(chunk[:cut], part.sizes[j])).view(-1)
-            where = part.global_indices(j, slots)
+            where = part.global_indices(j, bit_positions(chunk[:cut]))
         else:
             cut = nonzeros[j] * xbytes
             where = bytes_as(chunk[:cut], wire).to(torch.int64)
