@@ -28,6 +28,10 @@ the nonzeros of the sum, measures how much the ranks' selections overlap (``expe
                                magnitudes, kept counts) replace the grid's two, every 64 an
                                all-reduce re-cuts the regions. About 2.47 (P-1)/P k (v+x) in all,
                                within the 3(P-1)/P k (v+x) bound of ALGORITHMS.md section 7
+    hierarchical:<cross>       on nodes of L ranks, the sparse part's node step (values in v' =
+                               fp32 at least) dense: 2(L-1)/L N v', or sparse: (L-1) k (v'+x) +
+                               (L-1)/L K (v'+x), whichever moves fewer bytes; then <cross> on the
+                               stripe's nonzeros across nodes (``hierarchical_seconds``)
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ EXACT_SCHEMES = ("allreduce", "allgather", "zen", "sparcml")
 #: "hierarchical:<scheme>": the hierarchical sync with <scheme> as its cross-node step
 HIERARCHICAL = "hierarchical:"
 HIERARCHICAL_SCHEMES = tuple(HIERARCHICAL + scheme for scheme in SCHEMES)
+#: how the hierarchical sync's sparse part meets inside the node: "dense" reduce-scatters and
+#: all-gathers the whole part, "sparse" all-gathers the selections and the summed stripes' nonzeros
+NODE_STEPS = ("dense", "sparse")
 #: counts and message headers travel as int64
 COUNT_BYTES = 8
 #: positions travel as int32 in any buffer of fewer than 2**31 elements (comm/schemes.py's
@@ -284,28 +291,76 @@ def buffer_seconds(scheme: str, shape: BufferShape, links: Links, spread: float 
     return dense_seconds(shape.dense, shape.value_bytes, links) + sparse_seconds(scheme, shape, links, spread)
 
 
+def hierarchical_nonzeros(cross: str, shape: BufferShape, per_node: int, nodes: int, spread: float = 1.0) -> float:
+    """Expected nonzeros of the sparse part's sum after the hierarchical sync's cross-node step:
+    the union of every rank's selection for an exact ``cross``; for Ok-Topk, each of the
+    ``per_node`` stripes keeps about its share of k (comm/hierarchical.py)."""
+    union = expected_nonzeros(shape.sparse, shape.k, per_node * nodes, spread)
+    if cross != "oktopk":
+        return union
+    return min(union, OKTOPK_KEPT * per_node * max(1, -(-shape.k // per_node)))
+
+
+def node_step_collectives(
+    step: str, cross: str, shape: BufferShape, per_node: int, nodes: int, spread: float = 1.0
+) -> list[float]:
+    """The node-link collectives of the hierarchical sync's sparse part under node ``step``, in
+    the order comm/hierarchical.py issues them, each as the bytes one rank receives. Values travel
+    in fp32 at least. ``dense``: reduce-scatter and all-gather of the whole part (and, for Ok-Topk,
+    of a byte per element marking the applied positions). ``sparse``: allgather of every local
+    rank's k pairs (the plan bounds the counts: no count round, as a flat allgather), then of the
+    summed stripes' nonzeros, after a count round (for Ok-Topk, then of the applied positions)."""
+    if step not in NODE_STEPS:
+        raise ValueError(f"unknown node step {step!r}; valid choices: {', '.join(NODE_STEPS)}")
+    if per_node <= 1 or shape.sparse <= 0:
+        return []
+    acc = max(shape.value_bytes, 4)
+    share = (per_node - 1) / per_node
+    oktopk = cross == "oktopk"
+    if step == "dense":
+        return [share * shape.sparse * acc] * 2 + ([share * shape.sparse] if oktopk else [])
+    pair = acc + shape.index_bytes
+    counts = (per_node - 1) * COUNT_BYTES
+    shared = share * hierarchical_nonzeros(cross, shape, per_node, nodes, spread)
+    collectives = [(per_node - 1) * shape.k * pair, counts, shared * pair]
+    return collectives + ([counts, shared * (shape.index_bytes + 1)] if oktopk else [])
+
+
+def choose_node_step(cross: str, shape: BufferShape, per_node: int, nodes: int) -> str:
+    """``sparse`` where its node-link bytes are fewer than the dense step's, else ``dense``. With
+    fp32 values and int32 positions that is about where L k + K < N (K the sum's nonzeros): below
+    about 20% density on 2 nodes of 2 ranks, nowhere once the P selections cover most of the part.
+    Judged at independent selections, the most nonzeros a sum holds in expectation, so the choice
+    depends on the plan (N, k, bytes per value) and the layout only: every rank of every node
+    makes it alike, whatever it selected."""
+    dense, sparse = (sum(node_step_collectives(step, cross, shape, per_node, nodes)) for step in NODE_STEPS)
+    return "sparse" if sparse < dense else "dense"
+
+
 def hierarchical_seconds(cross: str, shape: BufferShape, node: Links, across: Links, spread: float = 1.0) -> float:
     """The hierarchical sync (comm/hierarchical.py) on ``across.world`` nodes of ``node.world``
-    ranks: both parts reduce-scattered and all-gathered inside the node (the allgather link's ring
-    moves the same bytes), the dense stripe all-reduced across nodes, and the sparse stripe's
-    nonzeros (1/L of the node's union of L selections) through ``cross`` on the cross-node group.
-    The L local ranks cross at once, each with its own stripe on its own NIC: one stripe's time.
-    Sparse partial sums travel in fp32 at least. A stripe's nonzeros have no bound known in
-    advance, so a cross-node allgather first agrees on the largest count (one more round)."""
-    per_node = node.world
+    ranks: the dense part reduce-scattered and all-gathered inside the node (the allgather link's
+    ring moves the same bytes) and its stripe all-reduced across nodes; the sparse part through the
+    node step ``choose_node_step`` picks (as the code's default ``node="auto"`` does), every
+    collective of it on the node's allgather link, and the sparse stripe's nonzeros (1/L of the
+    node's union of L selections) through ``cross`` on the cross-node group. The L local ranks
+    cross at once, each with its own stripe on its own NIC: one stripe's time. Sparse partial sums
+    travel in fp32 at least. A stripe's nonzeros have no bound known in advance, so a cross-node
+    allgather first agrees on the largest count (one more round)."""
+    per_node, nodes = node.world, across.world
     acc = max(shape.value_bytes, 4)
-    inside = 0.0
-    if per_node > 1:
-        for numel, value_bytes in ((shape.dense, shape.value_bytes), (shape.sparse, acc)):
-            inside += 2 * node.allgather.seconds((per_node - 1) / per_node * numel * value_bytes)
+    inside = 2 * node.allgather.seconds((per_node - 1) / per_node * shape.dense * shape.value_bytes)
     seconds = inside + dense_seconds(shape.dense / per_node, shape.value_bytes, across)
     if shape.sparse <= 0:
         return seconds
+    step = choose_node_step(cross, shape, per_node, nodes)
+    collectives = node_step_collectives(step, cross, shape, per_node, nodes, spread)
+    seconds += sum(node.allgather.message(nbytes) for nbytes in collectives)
     union = expected_nonzeros(shape.sparse, shape.k, per_node, spread)
     stripe = BufferShape(0, shape.sparse / per_node, union / per_node, acc, shape.index_bytes)
     seconds += buffer_seconds(cross, stripe, across, spread)
-    if cross == "allgather" and across.world > 1:  # comm/schemes.py allgather_sum without max_count
-        seconds += across.allgather.message((across.world - 1) * COUNT_BYTES)
+    if cross == "allgather" and nodes > 1:  # comm/schemes.py allgather_sum without max_count
+        seconds += across.allgather.message((nodes - 1) * COUNT_BYTES)
     return seconds
 
 

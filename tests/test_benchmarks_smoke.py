@@ -432,20 +432,22 @@ def test_hierarchical_and_flat_schemes_on_2_nodes_of_2_ranks_at_hand_computed_po
     w = simulate.Workload("toy", 10**6, 0, 10**6, 10**4, 1)
     layout = _layout(2, 2, 1, 800.0, 8.0, a)
     assert bn == pytest.approx(95e6) and bc == pytest.approx(0.95e6)
-    # hierarchical:allgather: reduce-scatter and all-gather in the node, each 1 round and half of
-    # 4 MB: 2 * (a + 2e6 / bn); a node's union of 2 selections is 10^6 (1 - 0.99^2) = 19,900, 9,950
-    # per stripe; the 2 local ranks cross at once on the one NIC (half its rate each): the allgather
-    # over 2 nodes moves 9,950 pairs of 8 B: a + 79,600 / (bc / 2), after a round that agrees on the
-    # largest count (8 B): a + 8 / (bc / 2)
-    hier = 2 * (a + 2e6 / bn) + a + 79_600 / (bc / 2) + a + 8 / (bc / 2)
-    assert hier == pytest.approx(0.213701, rel=1e-5)
+    # hierarchical:allgather: the sparse node step, 3 collectives of 1 round each: the other local
+    # rank's 10^4 pairs of 8 B, a count (8 B), the other stripe's share of the sum's 10^6 (1 - 0.99^4)
+    # = 39,403.99 nonzeros, 4 * 39,403.99 B: 3a + 237,623.96 / bn (the dense step's reduce-scatter
+    # and all-gather of half of 4 MB each would take 2 * (a + 2e6 / bn)); a node's union of 2
+    # selections is 10^6 (1 - 0.99^2) = 19,900, 9,950 per stripe; the 2 local ranks cross at once on
+    # the one NIC (half its rate each): the allgather over 2 nodes moves 9,950 pairs of 8 B:
+    # a + 79,600 / (bc / 2), after a round that agrees on the largest count (8 B): a + 8 / (bc / 2)
+    hier = 3 * a + 237_623.96 / bn + a + 79_600 / (bc / 2) + a + 8 / (bc / 2)
+    assert hier == pytest.approx(0.175097, rel=1e-5)
     assert simulate.layout_comm_seconds("hierarchical:allgather", w, layout) == pytest.approx(hier)
     # flat allgather: gloo's one ring crosses each node once each way, so the ring runs at the
     # NIC's rate: 3 rounds and 3 * 10^4 pairs
     flat = 3 * a + 3 * 10**4 * 8 / bc
     assert simulate.layout_comm_seconds("allgather", w, layout) == pytest.approx(flat)
     assert simulate.layout_comm_seconds("allgather", w, _layout(4, 1, 1, 800.0, 8.0, a)) == pytest.approx(flat)
-    assert hier / flat == pytest.approx(0.8360, abs=1e-4)
+    assert hier / flat == pytest.approx(0.6850, abs=1e-4)
     # dense DDP: the workload's 1 bucket, 2(P-1) rounds, 2 * 3/4 * 4 MB through the NIC
     assert simulate.layout_comm_seconds("ddp", w, layout) == pytest.approx(6 * a + 6e6 / bc)
     # all_to_all: 2/3 of a rank's bytes leave the node, 2 ranks per NIC: 4/3 of the NIC's time per byte

@@ -195,7 +195,8 @@ def _rank() -> int:
 
 def _runner_for(scheme: str) -> Communicator:
     if scheme.startswith(HIERARCHICAL):
-        return COMMUNICATORS.build("hierarchical", cross=scheme[len(HIERARCHICAL) :])
+        # node="auto" is the node step commcost.hierarchical_seconds costs this candidate with
+        return COMMUNICATORS.build("hierarchical", cross=scheme[len(HIERARCHICAL) :], node="auto")
     return COMMUNICATORS.build(RUNNERS[scheme], **RUNNER_OPTIONS.get(scheme, {}))
 
 

@@ -1,24 +1,36 @@
 """``hierarchical``: reduce inside the node, exchange across nodes only, share back inside the node.
 
-For ``num_nodes x ranks_per_node`` ranks (``topology.py``), one buffer part of n elements:
+For ``num_nodes x ranks_per_node`` ranks (``topology.py``), one buffer part of n elements, cut into
+ranks_per_node stripes:
 
-1. inside the node, over the fast link: every rank scatters its sparse selection into a dense
-   n-element tensor (the dense part already is one) and the node reduce-scatters it, so local
-   rank l holds the node's sum of stripe l (n / ranks_per_node elements);
+1. inside the node, over the fast link, local rank l gets the node's sum of stripe l
+   (n / ranks_per_node elements). The dense part is reduce-scattered. The sparse part has two node
+   steps: ``dense`` scatters every rank's k selected pairs into an n-element tensor and
+   reduce-scatters it; ``sparse`` all-gathers the k pairs (``schemes.allgather_sum``) and sums
+   them, in fp32 at least so low-precision partial sums cross nodes unrounded;
 2. across nodes, on the cross-node group of local rank l (its own NIC): the dense part's stripe
    is all-reduced, the sparse part's stripe goes through the ``cross`` scheme as the stripe's
    nonzeros: every local rank works on its own stripe at once, so every NIC carries a share;
-3. inside the node: the summed stripes are all-gathered, so every rank holds the whole sum.
+3. inside the node, every rank gets the whole sum: the dense step all-gathers the summed stripes
+   (n elements), the sparse step all-gathers each stripe's nonzeros (positions offset to the
+   stripe's place; the stripes are disjoint, so their sum is their concatenation).
+
+The sparse node step moves O(k) bytes per rank instead of O(n): fewer wherever the sum is sparse.
+``node="auto"`` (the default) picks, per buffer, the step with fewer modelled bytes on the node
+link (``commcost.choose_node_step``) from the plan's n and k and the layout only, never from what
+a rank selected, so every rank issues the same collectives.
 
 With an exact ``cross`` scheme (allreduce, allgather, zen, sparcml) the result is the exact sum
 of every rank's part, as a flat scheme's (up to fp summation order; low-precision values are
-summed in fp32 and cast once). Every node receives the same cross-node sums and shares them the
-same way, so every rank ends bitwise identical. ``cross="oktopk"`` selects again: each stripe
-keeps about k / ranks_per_node entries of its sum (Ok-Topk's top-k), and the positions kept are
-reported as applied, so the engine's error feedback keeps, on every rank, what was not applied.
+summed in fp32 and cast once), under either node step. Every node receives the same cross-node
+sums and shares them the same way, so every rank ends bitwise identical. ``cross="oktopk"``
+selects again: each stripe keeps about k / ranks_per_node entries of its sum (Ok-Topk's top-k),
+and the positions kept are reported as applied (shared back in the node as the sums are: a byte
+mask of n, or the kept positions), so the engine's error feedback keeps, on every rank, what was
+not applied.
 
-The bytes a rank moves (``Traffic``) count both links: the node-local reduce-scatter and
-all-gather as well as the cross-node step.
+The bytes a rank moves (``Traffic``) count both links: the node-local steps as well as the
+cross-node step.
 """
 
 from __future__ import annotations
@@ -33,14 +45,16 @@ from torch import Tensor
 from ssfusion_lightning.comm.base import COMMUNICATORS, Communicator, PendingReduction
 from ssfusion_lightning.comm.channels import Channel, ChannelSet
 from ssfusion_lightning.comm.oktopk import OkTopkState, OkTopkStates, oktopk_reduce
-from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype
+from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype, allgather_sum, index_bytes
 from ssfusion_lightning.comm.topology import Hierarchy
 from ssfusion_lightning.comm.traffic import Traffic
-from ssfusion_lightning.commcost import SCHEMES, ring_allreduce_bytes
+from ssfusion_lightning.commcost import NODE_STEPS, SCHEMES, BufferShape, choose_node_step, ring_allreduce_bytes
 from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 #: every flat scheme can be the cross-node step
 CROSS_SCHEMES = SCHEMES
+#: the node step of the sparse part: either one, or per buffer the one that moves fewer bytes
+NODE_OPTIONS = ("auto", *NODE_STEPS)
 
 
 def stripe_length(numel: int, ranks_per_node: int) -> int:
@@ -87,6 +101,43 @@ def hierarchical_dense_sum(tensor: Tensor, hierarchy: Hierarchy, traffic: Traffi
     return _node_all_gather(stripe, hierarchy, traffic)[:numel]
 
 
+def _node_sparse_sum(
+    values: Tensor, indices: Tensor, length: int, hierarchy: Hierarchy, traffic: Traffic, max_count: int | None
+) -> Tensor:
+    """This local rank's stripe of the node's sum, from every local rank's k pairs all-gathered."""
+    full = allgather_sum(values, indices, length * hierarchy.ranks_per_node, hierarchy.local, traffic, max_count=max_count)
+    start = hierarchy.local_rank * length
+    return full[start : start + length]
+
+
+def _node_share_sparse(stripe: Tensor, hierarchy: Hierarchy, traffic: Traffic) -> Tensor:
+    """Every local rank's stripe, each sent as its nonzeros: the stripes are disjoint, so their
+    sum is their concatenation, exact and alike on every rank."""
+    where = torch.nonzero(stripe).view(-1)
+    offset = hierarchy.local_rank * stripe.numel()
+    return allgather_sum(stripe[where], where + offset, stripe.numel() * hierarchy.ranks_per_node, hierarchy.local, traffic)
+
+
+def _cross_step(
+    stripe: Tensor, hierarchy: Hierarchy, cross: str, traffic: Traffic, k: int, state: OkTopkState | None
+) -> tuple[Tensor, Tensor | None]:
+    """The stripe summed over the nodes by ``cross``; (its sum, Ok-Topk's kept positions or None)."""
+    if cross == "oktopk":
+        # each stripe keeps its share of the k entries a flat Ok-Topk would keep
+        where = torch.nonzero(stripe).view(-1)
+        share = max(1, -(-k // hierarchy.ranks_per_node))
+        return oktopk_reduce(stripe[where], where, stripe.numel(), share, hierarchy.cross, traffic, state or OkTopkState())
+    if hierarchy.nodes == 1:
+        return stripe, None
+    if cross == "allreduce":
+        dist.all_reduce(stripe, group=hierarchy.cross)
+        nbytes = ring_allreduce_bytes(stripe.numel() * stripe.element_size(), hierarchy.nodes)
+        traffic.add(nbytes, nbytes)
+        return stripe, None
+    where = torch.nonzero(stripe).view(-1)
+    return SPARSE_SCHEMES.get(cross)(stripe[where], where, stripe.numel(), hierarchy.cross, traffic), None
+
+
 def hierarchical_sparse_sum(
     values: Tensor,
     indices: Tensor,
@@ -96,35 +147,35 @@ def hierarchical_sparse_sum(
     traffic: Traffic,
     k: int = 0,
     state: OkTopkState | None = None,
+    node: str = "dense",
+    max_count: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The sum over every rank of each rank's sparse (values, distinct indices) of a ``numel``
-    tensor, with ``cross`` as the cross-node step on each node's stripe; returns (dense sum in
-    values' dtype, applied positions or None when everything sent was applied). ``k`` and
-    ``state``: Ok-Topk's per-rank count and per-buffer state (``cross="oktopk"`` only)."""
+    tensor, with ``cross`` as the cross-node step on each node's stripe and ``node`` ("dense" or
+    "sparse", see the module doc) as the node step; returns (dense sum in values' dtype, applied
+    positions or None when everything sent was applied). ``k`` and ``state``: Ok-Topk's per-rank
+    count and per-buffer state (``cross="oktopk"`` only). ``max_count``: a bound on every rank's
+    count known to all (the sparse node step then skips its count round)."""
+    if node not in NODE_STEPS:
+        raise ValueError(f"hierarchical_sparse_sum: unknown node step {node!r}; valid choices: {', '.join(NODE_STEPS)}")
     size = hierarchy.ranks_per_node
     length = stripe_length(numel, size)
     acc = accumulation_dtype(values.dtype)
-    full = torch.zeros(length * size, dtype=acc, device=values.device)
-    full[indices] = values.to(acc)
-    stripe = _node_reduce_scatter(full, hierarchy, traffic)
+    if node == "sparse":
+        stripe = _node_sparse_sum(values.to(acc), indices, length, hierarchy, traffic, max_count)
+        share = _node_share_sparse
+    else:
+        full = torch.zeros(length * size, dtype=acc, device=values.device)
+        full[indices] = values.to(acc)
+        stripe = _node_reduce_scatter(full, hierarchy, traffic)
+        share = _node_all_gather
+    stripe, kept = _cross_step(stripe, hierarchy, cross, traffic, k, state)
     applied = None
-    if hierarchy.nodes > 1 and cross == "allreduce":
-        dist.all_reduce(stripe, group=hierarchy.cross)
-        nbytes = ring_allreduce_bytes(stripe.numel() * stripe.element_size(), hierarchy.nodes)
-        traffic.add(nbytes, nbytes)
-    elif cross == "oktopk":
-        # each stripe keeps its share of the k entries a flat Ok-Topk would keep
-        where = torch.nonzero(stripe).view(-1)
-        share = max(1, -(-k // size))
-        stripe, kept = oktopk_reduce(stripe[where], where, length, share, hierarchy.cross, traffic, state or OkTopkState())
+    if kept is not None:
         mask = torch.zeros(length, dtype=torch.uint8, device=values.device)
         mask[kept] = 1
-        applied = torch.nonzero(_node_all_gather(mask, hierarchy, traffic)[:numel]).view(-1)
-    elif hierarchy.nodes > 1:
-        where = torch.nonzero(stripe).view(-1)
-        stripe = SPARSE_SCHEMES.get(cross)(stripe[where], where, length, hierarchy.cross, traffic)
-    total = _node_all_gather(stripe.to(acc), hierarchy, traffic)[:numel]
-    return total.to(values.dtype), applied
+        applied = torch.nonzero(share(mask, hierarchy, traffic)[:numel]).view(-1)
+    return share(stripe, hierarchy, traffic)[:numel].to(values.dtype), applied
 
 
 def _hierarchy(channel: Channel) -> Hierarchy:
@@ -140,17 +191,22 @@ def _hierarchy(channel: Channel) -> Hierarchy:
 class HierarchicalCommunicator(Communicator):
     """Dense and sparse parts summed in the node, across nodes and back (see the module doc),
     on different channels so the two run concurrently. ``cross``: the cross-node step of the
-    sparse part, one of allreduce, allgather, zen, sparcml, oktopk (default allgather)."""
+    sparse part, one of allreduce, allgather, zen, sparcml, oktopk (default allgather). ``node``:
+    the sparse part's node step, dense, sparse, or auto (default): per buffer, the one that moves
+    fewer bytes on the node link (``commcost.choose_node_step``)."""
 
     name = "hierarchical"
     sums_dense = True
     needs_hierarchy = True
 
-    def __init__(self, cross: str = "allgather", **options: Any) -> None:
+    def __init__(self, cross: str = "allgather", node: str = "auto", **options: Any) -> None:
         super().__init__(**options)
         if cross not in CROSS_SCHEMES:
             raise ValueError(f"hierarchical communicator: unknown cross {cross!r}; valid choices: {', '.join(CROSS_SCHEMES)}")
+        if node not in NODE_OPTIONS:
+            raise ValueError(f"hierarchical communicator: unknown node {node!r}; valid choices: {', '.join(NODE_OPTIONS)}")
         self.cross = cross
+        self.node = node
         self.exact = cross != "oktopk"
         self.states = OkTopkStates()
 
@@ -164,15 +220,36 @@ class HierarchicalCommunicator(Communicator):
             sparse = self._submit_sparse(channel, encoded, buffer)
         return PendingReduction(dense, sparse, channels.device)
 
+    def node_step(self, buffer: Buffer, hierarchy: Hierarchy, value_bytes: int) -> str:
+        """The buffer's node step: ``node``, or under "auto" the one ``choose_node_step`` picks
+        from the plan's N and k and the layout, never from what a rank selected, so that every
+        rank of every node issues the same collectives."""
+        if self.node != "auto":
+            return self.node
+        k = sum(slot.k for slot in buffer.sparse_slots)
+        shape = BufferShape(0, buffer.sparse_numel, k, value_bytes, index_bytes(buffer.sparse_numel))
+        return choose_node_step(self.cross, shape, hierarchy.ranks_per_node, hierarchy.nodes)
+
     def _submit_sparse(self, channel: Channel, encoded: Encoded, buffer: Buffer) -> Future:
         key = f"{buffer.index}:{buffer.sparse_numel}"
         k = sum(slot.k for slot in buffer.sparse_slots)
-        return channel.submit(self._sparse_job, key, k, encoded.values, encoded.indices, buffer.sparse_numel, _hierarchy(channel))
+        hierarchy = _hierarchy(channel)
+        step = self.node_step(buffer, hierarchy, encoded.values.element_size())
+        # equal counts are a bound every rank knows too
+        bound = encoded.values.numel() if encoded.equal_counts else encoded.max_count
+        return channel.submit(
+            self._sparse_job, key, k, step, bound, encoded.values, encoded.indices, buffer.sparse_numel, hierarchy
+        )
 
-    def _sparse_job(self, key: str, k: int, values: Tensor, indices: Tensor, numel: int, hierarchy: Hierarchy, group) -> tuple[Tensor, Traffic, Any]:
+    def _sparse_job(
+        self, key: str, k: int, step: str, bound: int | None,
+        values: Tensor, indices: Tensor, numel: int, hierarchy: Hierarchy, group,
+    ) -> tuple[Tensor, Traffic, Any]:
         traffic = Traffic()
         state = self.states.of(key) if self.cross == "oktopk" else None
-        total, applied = hierarchical_sparse_sum(values, indices, numel, hierarchy, self.cross, traffic, k, state)
+        total, applied = hierarchical_sparse_sum(
+            values, indices, numel, hierarchy, self.cross, traffic, k, state, node=step, max_count=bound
+        )
         return total, traffic, applied
 
     def set_plan(self, plan: Plan) -> None:
