@@ -177,3 +177,61 @@ def test_persistent_tensors_match_the_formula(pool2, name):
         # selection temporaries: 1.5x min(CHUNK, largest tensor) elements per dtype used (fp32
         # gradients, int32 positions), whatever the size of the model
         assert result["scratch"] <= 2 * 1.5 * (min(selection.CHUNK, result["largest"]) + 64) * 4, (name, result)
+
+
+class DecodeProbe(L.Callback):
+    """Records, every time a buffer's sparse sum is decoded, whether any of the round's local
+    sparse gradients is still held: by its parameter or by anything the engine reaches."""
+
+    def __init__(self) -> None:
+        self.engine = None
+        self.local: dict[int, int] = {}  # parameter position -> its local gradient's storage
+        self.held_at_decode: list[list[int]] = []
+        self.shared_storages: list[bool] = []
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.engine = engine = trainer.strategy.engine
+        sparse = {slot.param for buffer in engine.plan.buffers for slot in buffer.sparse_slots}
+        self.local = {p: engine.params[p].grad.untyped_storage().data_ptr() for p in sparse if engine.params[p].grad is not None}
+
+    def decoding(self) -> None:
+        reachable = storages(self.engine, set())
+        held = [p for p, ptr in self.local.items() if ptr in reachable or self.engine.params[p].grad is not None]
+        self.held_at_decode.append(held)
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        engine = trainer.strategy.engine
+        for buffer in engine.plan.buffers:
+            grads = [engine.params[slot.param].grad for slot in buffer.sparse_slots]
+            self.shared_storages.append(len({g.untyped_storage().data_ptr() for g in grads}) == 1)
+
+
+def decode_run(config: dict, steps: int = 5):
+    from unittest import mock
+
+    from ssfusion_lightning.comm.schemes import SparseSum
+
+    L.seed_everything(0, verbose=False)
+    probe = DecodeProbe()
+    dense = SparseSum.dense
+
+    def observed(self):
+        probe.decoding()
+        return dense(self)
+
+    with mock.patch.object(SparseSum, "dense", observed):
+        trainer = make_trainer(ssf.SSFusionStrategy(**config), steps, callbacks=[probe])
+        trainer.fit(Wide(), DataLoader(regression_data(), batch_size=16))
+    return {"held": probe.held_at_decode, "shared": probe.shared_storages}
+
+
+@pytest.mark.parametrize("comm, options", [("allgather", {}), ("zen", {"choice": "zen"}), ("oktopk", {})])
+def test_the_decoded_sum_takes_the_local_gradients_memory(pool2, comm, options):
+    """A sum left as pairs is decoded only once the buffer's local sparse gradients are in the
+    error feedback and no longer held, so the decoded total replaces them instead of sitting beside
+    them; the gradients written are views of it (one storage per buffer, no copy)."""
+    config = dict(sparsifier="topk", fusion="ahead", comm=comm, comm_options=options, density=0.05, offload="none", buffer_mb=0.5)
+    for result in pool2.run(decode_run, config, timeout=300):
+        assert result["held"], "the sums were decoded at the write"
+        assert all(held == [] for held in result["held"]), result["held"]
+        assert result["shared"] and all(result["shared"]), result["shared"]

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from ssfusion_lightning.comm import SPARSE_SCHEMES, Traffic, sparse_allreduce
 from ssfusion_lightning.comm.oktopk import OkTopkCommunicator, OkTopkState, oktopk_reduce
+from ssfusion_lightning.comm.schemes import SparseSum
 from ssfusion_lightning.comm.zen import (
     ZEN_BLOCK,
     ZenCommunicator,
@@ -335,7 +336,8 @@ def run_zen_communicator(numel, k, rounds, choice):
             for i, v in zip(sets, vals):
                 reference.index_add_(0, i, v)
             reduced = comm.launch(Encoded(None, vals[rank], sets[rank]), buffer, channels).wait()
-            ok.append(torch.equal(reduced.sparse, reference) and reduced.applied is None)
+            total = reduced.sparse.dense() if isinstance(reduced.sparse, SparseSum) else reduced.sparse
+            ok.append(torch.equal(total, reference) and reduced.applied is None)
     finally:
         channels.shutdown()
     return ok, comm.scheme_for(f"0:{numel}"), comm.state_dict()
@@ -434,7 +436,7 @@ def run_oktopk_residual(numel, k, seed):
         channels.shutdown()
     memory = ResidualMemory()
     ErrorFeedback(memory).commit(encoded.updates, reduced.applied)
-    return compensated, sent, reduced.applied, reduced.sparse, memory.residual("w").clone(), comm.state_dict()
+    return compensated, sent, reduced.applied, reduced.sparse.dense(), memory.residual("w").clone(), comm.state_dict()
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -727,3 +729,27 @@ def test_owner_sums_are_the_dense_accumulators_bits(size, pairs, dtype, seed):
     expected = torch.nonzero(dense).view(-1)
     assert torch.equal(where, expected)
     assert torch.equal(sums, dense[expected])
+
+
+@settings(max_examples=60, deadline=None)
+@given(numel=st.integers(1, 200), ranks=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_a_sparse_sum_decodes_in_order_and_counts_its_support(numel, ranks, seed):
+    """A SparseSum adds its pieces in order in the accumulation dtype and casts once (bf16 pieces
+    summed in fp32); its nonzero count, taken without decoding, is the dense sum's wherever no
+    position cancels to exactly zero."""
+    g = torch.Generator().manual_seed(seed)
+    pieces = []
+    for _ in range(ranks):
+        where = torch.randperm(numel, generator=g)[: int(torch.randint(0, numel + 1, (1,), generator=g))]
+        pieces.append((where, torch.randn(where.numel(), generator=g).to(torch.bfloat16)))
+    expected = torch.zeros(numel)
+    for where, values in pieces:
+        expected.index_add_(0, where, values.float())
+    total = SparseSum(numel, torch.bfloat16, pieces).dense()
+    assert total.dtype == torch.bfloat16 and torch.equal(total, expected.to(torch.bfloat16))
+    touched = torch.zeros(numel, dtype=torch.bool)
+    for where, values in pieces:
+        touched[where[values != 0]] = True
+    assert SparseSum(numel, torch.bfloat16, pieces).count_nonzero() == int(touched.sum())
+    if not bool(((expected == 0) & touched).any()):
+        assert SparseSum(numel, torch.bfloat16, pieces).count_nonzero() == int(torch.count_nonzero(expected))

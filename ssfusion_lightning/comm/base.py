@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.comm.channels import ChannelSet, result
+from ssfusion_lightning.comm.schemes import SparseSum
 from ssfusion_lightning.comm.traffic import Traffic
 from ssfusion_lightning.costmodel import CostProfile
 from ssfusion_lightning.registry import Registry
@@ -19,10 +20,11 @@ from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 @dataclass
 class Reduced:
-    """A buffer's result: the summed dense part and the summed sparse part (dense, sparse-part sized)."""
+    """A buffer's result: the summed dense part and the summed sparse part (dense, sparse-part
+    sized, or a ``SparseSum`` the engine decodes once the local gradients are released)."""
 
     dense: Tensor | None
-    sparse: Tensor | None
+    sparse: Tensor | SparseSum | None
     traffic: Traffic
     #: sparse-part positions that were applied globally; None means everything sent was applied
     applied: Tensor | None = None

@@ -43,7 +43,7 @@ from torch import Tensor
 from ssfusion_lightning.comm.base import COMMUNICATORS
 from ssfusion_lightning.comm.channels import Channel
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
-from ssfusion_lightning.comm.schemes import COUNT_BYTES, accumulation_dtype, bytes_as, wire_index_dtype
+from ssfusion_lightning.comm.schemes import COUNT_BYTES, SparseSum, accumulation_dtype, bytes_as, wire_index_dtype
 from ssfusion_lightning.comm.traffic import Traffic
 from ssfusion_lightning.commcost import (
     OKTOPK_GRID,
@@ -212,7 +212,24 @@ def oktopk_reduce(
     threshold_every: int = OKTOPK_THRESHOLD_EVERY,
     votes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """One Ok-Topk round; returns (dense result in values' dtype, applied positions int64 sorted)."""
+    """One Ok-Topk round (``oktopk_pairs``), decoded: (dense result in values' dtype, applied positions)."""
+    total, applied = oktopk_pairs(values, indices, numel, k, group, traffic, state, rebalance_every, threshold_every, votes)
+    return total.dense(), applied
+
+
+def oktopk_pairs(
+    values: Tensor,
+    indices: Tensor,
+    numel: int,
+    k: int,
+    group: dist.ProcessGroup | None,
+    traffic: Traffic,
+    state: OkTopkState,
+    rebalance_every: int = OKTOPK_REBALANCE_EVERY,
+    threshold_every: int = OKTOPK_THRESHOLD_EVERY,
+    votes: Tensor | None = None,
+) -> tuple[SparseSum, Tensor]:
+    """One Ok-Topk round; returns (the result as its kept pairs, applied positions int64 sorted)."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
     device, dtype = values.device, values.dtype
     acc = accumulation_dtype(dtype)
@@ -316,8 +333,7 @@ def oktopk_reduce(
         out_val = torch.cat([g[split:].view(dtype)[:n] for g, n in zip(gathered, held_counts)])
     else:  # one rank, or nothing kept anywhere
         out_idx, out_val = kept_idx, kept_val
-    total = torch.zeros(numel, dtype=dtype, device=device)
-    total[out_idx] = out_val
+    total = SparseSum(numel, dtype, [(out_idx, out_val)])
 
     # threshold bookkeeping, from the global count (identical on every rank)
     state.rounds += 1
@@ -386,7 +402,7 @@ class OkTopkCommunicator(SchemeCommunicator):
 
     def _oktopk_job(self, key: str, k: int, values: Tensor, indices: Tensor, numel: int, votes: Tensor | None, group):
         traffic = Traffic()
-        total, applied = oktopk_reduce(
+        total, applied = oktopk_pairs(
             values, indices, numel, k, group, traffic, self.state_for(key), self.rebalance_every, self.threshold_every, votes
         )
         return total, traffic, applied

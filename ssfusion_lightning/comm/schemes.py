@@ -13,6 +13,7 @@ message the scheme exchanges anyway, so the flags take no round of their own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -45,6 +46,36 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a sum of ``dtype`` values is accumulated in: fp32 for fp16 and bf16 (cast back
     once at the end), ``dtype`` itself otherwise (integers stay exact)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass
+class SparseSum:
+    """A sparse part's sum left as the pairs that make it: ``pieces`` of (int64 positions,
+    values), added at their positions in order (a position may recur across pieces). The engine
+    decodes it once the round's local gradients are in the error feedback and released, so the
+    decoded total takes their memory instead of sitting beside them."""
+
+    numel: int
+    dtype: torch.dtype
+    pieces: list[tuple[Tensor, Tensor]]
+
+    def dense(self) -> Tensor:
+        """The ``numel``-element sum in ``dtype``, accumulated in ``accumulation_dtype`` and cast
+        once: the same bits on every rank, whose pieces come in the same order."""
+        device = self.pieces[0][0].device if self.pieces else None
+        total = torch.zeros(self.numel, dtype=accumulation_dtype(self.dtype), device=device)
+        for positions, values in self.pieces:
+            total.index_add_(0, positions, values.to(total.dtype))
+        return total.to(self.dtype)
+
+    def values(self) -> list[Tensor]:
+        return [values for _, values in self.pieces]
+
+    def count_nonzero(self) -> int:
+        """The positions some piece adds a nonzero value to, without decoding (a sum that cancels
+        to exactly zero still counts)."""
+        positions = [where[values != 0] for where, values in self.pieces]
+        return int(torch.unique(torch.cat(positions)).numel()) if positions else 0
 
 
 def wire_index_dtype(numel: int) -> torch.dtype:
@@ -99,7 +130,22 @@ def allgather_sum(
     max_count: int | None = None,
     votes: Tensor | None = None,
 ) -> Tensor:
-    """AGsparse: allgather every rank's (count, indices, values), then scatter-add.
+    """AGsparse (``allgather_pairs``), decoded."""
+    return allgather_pairs(values, indices, numel, group, traffic, equal_counts, max_count, votes).dense()
+
+
+def allgather_pairs(
+    values: Tensor,
+    indices: Tensor,
+    numel: int,
+    group: dist.ProcessGroup | None,
+    traffic: Traffic,
+    equal_counts: bool = False,
+    max_count: int | None = None,
+    votes: Tensor | None = None,
+) -> SparseSum:
+    """AGsparse: allgather every rank's (count, indices, values); the sum is every rank's pairs,
+    in rank order.
 
     Every message has the same length, so ranks first agree on the largest count, except where
     the counts are known in advance: ``equal_counts``, or ``max_count`` (a bound every rank's
@@ -134,18 +180,16 @@ def allgather_sum(
     gathered = [torch.empty_like(message) for _ in range(world)]
     dist.all_gather(gathered, message, group=group)
     split = position_slots * index_bytes
-    total = torch.zeros(numel, dtype=accumulation_dtype(values.dtype), device=values.device)
+    pieces = []
     received = 0
     for rank, part in enumerate(gathered):
         if rank == me:
-            part_values, part_indices = values, indices.to(torch.int64)
-        else:
-            part_positions = part[:split].view(index_dtype)
-            n = int(part_positions[0])
-            received += n
-            part_indices = part_positions[header_slots : header_slots + n].to(torch.int64)
-            part_values = part[split:].view(values.dtype)[:n]
-        total.index_add_(0, part_indices, part_values.to(total.dtype))
+            pieces.append((indices.to(torch.int64), values))
+            continue
+        part_positions = part[:split].view(index_dtype)
+        n = int(part_positions[0])
+        received += n
+        pieces.append((part_positions[header_slots : header_slots + n].to(torch.int64), part[split:].view(values.dtype)[:n]))
     if votes is not None:
         votes.copy_(torch.stack([part[:split].view(index_dtype)[1] for part in gathered]))
     padded = (world - 1) * (split + slots * values.element_size())
@@ -155,7 +199,7 @@ def allgather_sum(
         padded_sent=padded,
         padded_received=padded,
     )
-    return total.to(values.dtype)
+    return SparseSum(numel, values.dtype, pieces)
 
 
 def sparse_allreduce(

@@ -41,6 +41,7 @@ from ssfusion_lightning.comm.collectives import SchemeCommunicator
 from ssfusion_lightning.comm.schemes import (
     COUNT_BYTES,
     SPARSE_SCHEMES,
+    SparseSum,
     accumulation_dtype,
     bytes_as,
     index_bytes,
@@ -217,7 +218,7 @@ def _group_rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def zen_sum(
+def zen_pairs(
     values: Tensor,
     indices: Tensor,
     numel: int,
@@ -226,10 +227,10 @@ def zen_sum(
     equal_counts: bool = False,
     seed: int = DEFAULT_SEED,
     votes: Tensor | None = None,
-) -> Tensor:
-    """ZEN balanced parallelism (see the module docstring); returns the dense sum, values' dtype.
-    ``votes`` (see schemes.py) ride in the low bit of the push counts, which every rank sends to
-    every rank."""
+) -> SparseSum:
+    """ZEN balanced parallelism (see the module docstring); returns the sum as every owner's
+    (positions, values), disjoint, this rank's own first. ``votes`` (see schemes.py) ride in the
+    low bit of the push counts, which every rank sends to every rank."""
     me, world = _group_rank_world(group)
     device, dtype = values.device, values.dtype
     acc = accumulation_dtype(dtype)
@@ -237,9 +238,7 @@ def zen_sum(
     wire, xbytes = wire_index_dtype(numel), index_bytes(numel)
     indices = indices.to(torch.int64)
     if world == 1:
-        total = torch.zeros(numel, dtype=acc, device=device)
-        total.index_add_(0, indices, values.to(acc))
-        return total.to(dtype)
+        return SparseSum(numel, dtype, [(indices, values)])
     part = zen_partition(numel, world, seed, device)
 
     # push: counts, then (index, value) pairs grouped by owner (own pairs stay local)
@@ -301,9 +300,8 @@ def zen_sum(
     dist.all_to_all_single(inbox, outbox, out_splits, in_splits, group=group)
     traffic.add(sum(in_splits), sum(out_splits))
 
-    # decode and scatter: every position is written by exactly one owner
-    total = torch.zeros(numel, dtype=dtype, device=device)
-    total[part.global_indices(me, nz)] = mine_values
+    # decode: every position comes from exactly one owner
+    pieces = [(part.global_indices(me, nz), mine_values)]
     for j, chunk in enumerate(torch.split(inbox, out_splits)):
         if j == me or nonzeros[j] == 0:
             continue
@@ -313,8 +311,22 @@ def zen_sum(
         else:
             cut = nonzeros[j] * xbytes
             where = bytes_as(chunk[:cut], wire).to(torch.int64)
-        total[where] = bytes_as(chunk[cut:], dtype)
-    return total
+        pieces.append((where, bytes_as(chunk[cut:], dtype)))
+    return SparseSum(numel, dtype, pieces)
+
+
+def zen_sum(
+    values: Tensor,
+    indices: Tensor,
+    numel: int,
+    group: dist.ProcessGroup | None,
+    traffic: Traffic,
+    equal_counts: bool = False,
+    seed: int = DEFAULT_SEED,
+    votes: Tensor | None = None,
+) -> Tensor:
+    """``zen_pairs``, decoded: the dense sum in values' dtype."""
+    return zen_pairs(values, indices, numel, group, traffic, equal_counts, seed, votes).dense()
 
 
 @SPARSE_SCHEMES.register("zen")
@@ -462,10 +474,10 @@ class ZenCommunicator(SchemeCommunicator):
         if scheme == "sparcml":
             total = SPARSE_SCHEMES.get("sparcml")(values, indices, numel, group, traffic, False, max_count, votes)
         else:
-            total = zen_sum(values, indices, numel, group, traffic, False, seed, votes)
+            total = zen_pairs(values, indices, numel, group, traffic, False, seed, votes)
         state.rounds += 1
         if scheme is None:  # profiling: K is the same on every rank (the same sum)
-            state.nonzeros.append(int(torch.count_nonzero(total)))
+            state.nonzeros.append(sum(int(torch.count_nonzero(v)) for v in total.values()))
             if len(state.nonzeros) >= self.profile_rounds:
                 nonzeros = sum(state.nonzeros) / len(state.nonzeros)
                 link = self._link_for(group, values.device)

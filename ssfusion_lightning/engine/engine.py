@@ -35,6 +35,7 @@ from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet, Communicator, Pen
 from ssfusion_lightning.comm.auto import DENSE
 from ssfusion_lightning.comm.base import CommContext
 from ssfusion_lightning.comm.channels import Completed
+from ssfusion_lightning.comm.schemes import SparseSum
 from ssfusion_lightning.commcost import ring_allreduce_bytes
 from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link, measure_serial_cpu
 from ssfusion_lightning.engine import state as engine_state
@@ -575,7 +576,7 @@ class FusionEngine:
             with self.timeline.span("write", buffer.index):
                 # error feedback from the round's gradients, before they are overwritten
                 self._round.feedback.commit(encoded.updates, reduced.applied)
-                self._write_gradients(buffer, reduced, globally_used)
+                self._write_gradients(buffer, reduced, encoded, globally_used)
             self._count_traffic(buffer, reduced)
         metrics = self._end_step()
         self._next_round(agreement)
@@ -605,7 +606,12 @@ class FusionEngine:
         if unhealthy:
             return f"on rank(s) {unhealthy}"
         summed = [reduced.dense for _, reduced, _ in results if reduced.dense is not None]
-        coo_sums = [reduced.sparse for buffer, reduced, _ in results if buffer.slots[0].param in self._coo]
+        coo_sums = [
+            value
+            for buffer, reduced, _ in results
+            if buffer.slots[0].param in self._coo
+            for value in (reduced.sparse.values() if isinstance(reduced.sparse, SparseSum) else [reduced.sparse])
+        ]
         if bool(all_finite(summed + coo_sums)):
             return None
         own = "finite" if bool(all_finite(_local_gradients(self.params))) else "non-finite"
@@ -709,20 +715,36 @@ class FusionEngine:
             self._failed = True
             raise CommunicationError(f"ssfusion: step {self.step}: {what} failed: {error}") from error
 
-    def _write_gradients(self, buffer: Buffer, reduced: Reduced, globally_used: list[int] | None) -> None:
-        for slot in buffer.slots:
+    def _write_gradients(
+        self, buffer: Buffer, reduced: Reduced, encoded: Encoded, globally_used: list[int] | None
+    ) -> None:
+        written = [slot for slot in buffer.slots if globally_used is None or globally_used[slot.param]]
+        sparse, owned = reduced.sparse, isinstance(reduced.sparse, SparseSum)
+        if owned:
+            self._release_local_gradients(buffer, encoded, written)
+            sparse = sparse.dense()
+        for slot in written:
             param = self.params[slot.param]
-            if globally_used is not None and not globally_used[slot.param]:
-                continue
-            part = reduced.sparse if slot.sparse else reduced.dense
+            part = sparse if slot.sparse else reduced.dense
             value = part[slot.offset : slot.offset + slot.numel].view(slot.shape)
             if slot.param in self._coo:
                 param.grad = _row_sparse(value)
+            elif owned and slot.sparse and param.is_contiguous() and value.dtype == param.dtype:
+                param.grad = value  # the decoded sum is this round's own: its views are the gradients
             elif param.grad is None or param.grad.is_sparse:
                 # in the parameter's memory format (channels_last stays channels_last), as DDP's are
                 param.grad = torch.empty_like(param).copy_(value)
             else:
                 param.grad.copy_(value)
+
+    def _release_local_gradients(self, buffer: Buffer, encoded: Encoded, written: list[Slot]) -> None:
+        """The buffer's local sparse gradients are in the error feedback now (committed): drop every
+        reference to them, so that the sum decoded next takes their memory instead of adding to it."""
+        encoded.updates = []
+        self._round.pieces[buffer.index] = [None] * len(buffer.slots)
+        for slot in written:
+            if slot.sparse and slot.param not in self._coo:
+                self.params[slot.param].grad = None
 
     def _count_traffic(self, buffer: Buffer, reduced: Reduced) -> None:
         t = reduced.traffic
