@@ -139,6 +139,23 @@ def test_auto_offers_hierarchical_schemes_only_on_nodes_of_several_ranks():
         only_hierarchical.assign(plan, CommContext(8, fast_node, {0: 4}, None))
 
 
+def test_auto_keeps_to_flat_schemes_without_a_core_to_spare():
+    """With one core per rank (serial CPU above the limit) the hierarchical sync's extra collectives
+    are taken from the backward: auto offers the flat schemes only, unless the user left it no flat one."""
+    plan = plan_of([(0, 10**6, 10**4)])
+    costs = dict(
+        allreduce=Link(50 * US, 1e-9), allgather=Link(50 * US, 1e-9), node_link=Link(5 * US, 1e-11),
+        cross_link=Link(50 * US, 1e-9), world_size=8, measured=True,
+    )
+    auto = COMMUNICATORS.build("auto", dense_fallback=False)
+    for serial, expected in ((0.0, "hierarchical:sparcml"), (0.5, "hierarchical:sparcml"), (0.51, "oktopk"), (1.0, "oktopk")):
+        context = CommContext(8, CostProfile(serial_cpu=serial, **costs), {0: 4}, (4, 2))
+        assert auto.assign(plan, context).buffers[0].comm == expected, serial
+    only_hierarchical = COMMUNICATORS.build("auto", schemes=["hierarchical:zen"], dense_fallback=False)
+    context = CommContext(8, CostProfile(serial_cpu=1.0, **costs), {0: 4}, (4, 2))
+    assert only_hierarchical.assign(plan, context).buffers[0].comm == "hierarchical:zen"
+
+
 def test_a_buffer_without_a_sparse_part_goes_dense():
     assert choose_scheme(BufferShape(dense=1000, sparse=0, k=0), links(64)) == "allreduce"
 

@@ -52,6 +52,8 @@ CANDIDATES = SCHEMES + HIERARCHICAL_SCHEMES
 UNASSIGNED = "allgather"
 #: the plan's note for a buffer ``dense_fallback`` sends unsparsified
 DENSE = "dense"
+#: above this share of serial CPU (``CostProfile.serial_cpu``) the hierarchical schemes do not compete
+SERIAL_HIERARCHY_LIMIT = 0.5
 #: the schemes that can carry a buffer sent dense
 DENSE_SCHEMES = ("allreduce", HIERARCHICAL + "allreduce")
 
@@ -148,6 +150,12 @@ class AutoCommunicator(Communicator):
                     f"{'has no node groups' if layout is None else f'is {layout[1]} node(s) of {layout[0]} rank(s)'}: "
                     "add a flat scheme, or set ranks_per_node so that several nodes hold several ranks each"
                 )
+            return flat, None
+        if costs.serial_cpu > SERIAL_HIERARCHY_LIMIT and flat:
+            # with no core to spare beside the backward, the hierarchical sync's extra collectives
+            # (three node and cross steps, and their count rounds, per buffer) cost more CPU than the
+            # cross-node bytes it saves: on 2 nodes x 2 ranks with one core per rank it ran at
+            # 0.86-0.90 x the flat allgather, with either node step (REPORT, "the node step A/B")
             return flat, None
         per_node, nodes = layout
         node = Links.measured(per_node, costs.node_link, costs.node_link)
