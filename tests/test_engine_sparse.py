@@ -206,3 +206,34 @@ def test_batched_selection_in_the_engine_sends_what_per_tensor_selection_sends(p
         for (b1, v1, i1), (b2, v2, i2) in zip(batched_sent, hooked_sent):
             assert b1 == b2 and torch.equal(i1, i2) and torch.equal(v1, v2)
         assert all(torch.equal(a, b) for a, b in zip(batched_params, hooked_params))
+
+
+def zeroing_run(set_to_none: bool, steps: int = 4):
+    """The gradients the engine writes and the residuals it keeps over ``steps`` rounds, with the
+    optimizer's gradients zeroed in place (they are views of the previous round's decoded sum, and
+    the next backward accumulates into them) or set to None."""
+    torch.manual_seed(0)
+    model = TwoBranch()
+    engine = make_engine(model, "ahead")
+    engine.attach()
+    torch.manual_seed(100 + dist.get_rank())
+    written = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=set_to_none)
+        model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
+        engine.finish()
+        written.append([p.grad.clone() for p in model.parameters()])
+    engine.close()
+    residuals = [engine.memory.residual(n).clone() for n, _ in model.named_parameters() if engine.memory.residual(n) is not None]
+    return written, residuals
+
+
+def test_gradients_zeroed_in_place_give_the_same_rounds(pool2):
+    """Written sparse gradients are views of the round's decoded sum; zeroing them in place (the
+    optimizer's set_to_none=False) and accumulating the next backward into them must not change
+    what the next rounds send, keep or write."""
+    for (kept, kept_res), (fresh, fresh_res) in zip(pool2.run(zeroing_run, False), pool2.run(zeroing_run, True)):
+        assert len(kept) == len(fresh) and kept_res
+        for a, b in zip(kept, fresh):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert all(torch.equal(x, y) for x, y in zip(kept_res, fresh_res))
