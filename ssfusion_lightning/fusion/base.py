@@ -45,6 +45,10 @@ class ErrorFeedback:
     def compensate(self, key: str, grad: Tensor) -> Tensor:
         return self.memory.compensate(key, grad, loss_scale=self.loss_scale)
 
+    def compensate_into(self, key: str, grad: Tensor, out: Tensor) -> Tensor:
+        """``compensate`` written into ``out`` (a fused buffer's flat slice), with no temporary."""
+        return self.memory.compensate_into(key, grad, out, loss_scale=self.loss_scale)
+
     def compensate_dense(self, key: str, grad: Tensor) -> Tensor | None:
         """A tensor sent dense: its gradient plus any state it still owes; None when it owes none."""
         return self.memory.compensate_dense(key, grad, loss_scale=self.loss_scale)

@@ -41,8 +41,8 @@ class BehindPolicy(FusionPolicy):
             return super().compress(buffer, grads, dense_out, ctx)
         # Error feedback stays per tensor, so re-planned buffers never lose a residual. A parameter
         # this rank's backward did not reach (None) joins the fused tensor as zeros, with no
-        # compensation and no update: whatever of it is selected sends zeros. One compensated
-        # tensor at a time lives beside the fused one.
+        # compensation and no update: whatever of it is selected sends zeros. Each tensor is
+        # compensated straight into its slice of the fused one.
         # where the gradients are (host memory when the offload worker staged them there)
         device = next((grad.device for grad in grads if grad is not None), ctx.device)
         fused = torch.empty(buffer.numel, dtype=ctx.dtype, device=device)
@@ -51,7 +51,7 @@ class BehindPolicy(FusionPolicy):
             if grad is None:
                 part.zero_()
             else:
-                part.copy_(ctx.feedback.compensate(slot.name, grad).reshape(-1))
+                ctx.feedback.compensate_into(slot.name, grad, part)
         k = sum(slot.k for slot in buffer.slots)
         values, indices = ctx.select(fused, f"buffer{buffer.index}", k)
         updates = []

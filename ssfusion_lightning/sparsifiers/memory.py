@@ -50,6 +50,12 @@ class Memory(ABC):
     @abstractmethod
     def update(self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None: ...
 
+    def compensate_into(self, key: str, grad: Tensor, out: Tensor, loss_scale: Tensor | None = None) -> Tensor:
+        """``compensate``'s tensor written into ``out`` (flat, ``grad.numel()`` elements, in logical
+        order), the same bits; returns ``out``. A fusing policy passes its buffer's slice, so no
+        temporary the size of the tensor is made where the memory can compute in place."""
+        return out.copy_(self.compensate(key, grad, loss_scale).reshape(-1))
+
     def compensate_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor | None:
         """The tensor a dense slot sends instead of ``grad``, or None when ``grad`` goes as it is.
 
@@ -156,6 +162,17 @@ class ResidualMemory(Memory):
         if loss_scale is None:
             return residual.view_as(grad) + grad
         return _scaled(residual.view_as(grad), loss_scale).add_(grad)
+
+    def compensate_into(self, key: str, grad: Tensor, out: Tensor, loss_scale: Tensor | None = None) -> Tensor:
+        residual = self.residuals.get(key)
+        target = out.view(grad.shape)  # logical order, whatever grad's memory format
+        if residual is None or residual.numel() != grad.numel():
+            target.copy_(grad)
+        elif loss_scale is None:
+            torch.add(residual.view_as(grad), grad, out=target)
+        else:
+            torch.mul(residual.view_as(grad), _scale_on(loss_scale, residual), out=target).add_(grad)
+        return out
 
     def update(self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None:
         check_finite(key, grad, "gradient")
