@@ -225,7 +225,10 @@ def decode_run(config: dict, steps: int = 5):
     return {"held": probe.held_at_decode, "shared": probe.shared_storages}
 
 
-@pytest.mark.parametrize("comm, options", [("allgather", {}), ("zen", {"choice": "zen"}), ("oktopk", {})])
+@pytest.mark.parametrize(
+    "comm, options",
+    [("allgather", {}), ("zen", {"choice": "zen"}), ("zen", {"choice": "sparcml"}), ("sparcml", {}), ("oktopk", {})],
+)
 def test_the_decoded_sum_takes_the_local_gradients_memory(pool2, comm, options):
     """A sum left as pairs is decoded only once the buffer's local sparse gradients are in the
     error feedback and no longer held, so the decoded total replaces them instead of sitting beside

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ssfusion_lightning.comm.base import COMMUNICATORS, Communicator, PendingReduction, Reduced
 from ssfusion_lightning.comm.channels import Channel, ChannelSet, result
-from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype, allgather_pairs
+from ssfusion_lightning.comm.schemes import SPARSE_PAIRS, SPARSE_SCHEMES, accumulation_dtype
 from ssfusion_lightning.comm.traffic import Traffic
 from ssfusion_lightning.commcost import ring_allreduce_bytes
 from ssfusion_lightning.vocabulary import Buffer, Encoded
@@ -94,8 +94,8 @@ class SchemeCommunicator(Communicator):
         group,
     ) -> tuple[Tensor, Traffic, Any]:
         traffic = Traffic()
-        # allgather's sum stays as the gathered pairs: the engine decodes it into the gradients
-        scheme = allgather_pairs if self.scheme == "allgather" else SPARSE_SCHEMES.get(self.scheme)
+        # a sum left as pairs is decoded by the engine, into the gradients' memory
+        scheme = SPARSE_PAIRS.get(self.scheme) if self.scheme in SPARSE_PAIRS else SPARSE_SCHEMES.get(self.scheme)
         total = scheme(values, indices, numel, group, traffic, equal_counts, max_count, votes)
         return total, traffic, None
 

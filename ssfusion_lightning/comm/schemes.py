@@ -40,6 +40,9 @@ class SparseScheme(Protocol):
 
 
 SPARSE_SCHEMES: Registry[SparseScheme] = Registry("sparse allreduce scheme")
+#: the schemes that can leave their sum as pairs (same arguments, a ``SparseSum``): the engine
+#: decodes it into the gradients' memory once the local gradients are released
+SPARSE_PAIRS: Registry[SparseScheme] = Registry("sparse pairs scheme")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -134,6 +137,7 @@ def allgather_sum(
     return allgather_pairs(values, indices, numel, group, traffic, equal_counts, max_count, votes).dense()
 
 
+@SPARSE_PAIRS.register("allgather")
 def allgather_pairs(
     values: Tensor,
     indices: Tensor,

@@ -30,7 +30,9 @@ from ssfusion_lightning.comm.base import COMMUNICATORS
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
 from ssfusion_lightning.comm.schemes import (
     COUNT_BYTES,
+    SPARSE_PAIRS,
     SPARSE_SCHEMES,
+    SparseSum,
     accumulation_dtype,
     bytes_as,
     pack,
@@ -155,6 +157,7 @@ def _send_recv(
     return indices, values, summed
 
 
+@SPARSE_SCHEMES.register("sparcml")
 def sparcml_sum(
     values: Tensor,
     indices: Tensor,
@@ -165,7 +168,23 @@ def sparcml_sum(
     max_count: int | None = None,
     votes: Tensor | None = None,
 ) -> Tensor:
-    """Recursive-doubling sparse allreduce; returns the dense sum in values' dtype. Counts travel
+    """SparCML (``sparcml_pairs``), decoded."""
+    return sparcml_pairs(values, indices, numel, group, traffic, equal_counts, max_count, votes).dense()
+
+
+@SPARSE_PAIRS.register("sparcml")
+def sparcml_pairs(
+    values: Tensor,
+    indices: Tensor,
+    numel: int,
+    group: dist.ProcessGroup | None,
+    traffic: Traffic,
+    equal_counts: bool = False,
+    max_count: int | None = None,
+    votes: Tensor | None = None,
+) -> SparseSum:
+    """Recursive-doubling sparse allreduce; returns the sum as its distinct positions and their
+    values (values' dtype). Counts travel
     in each message's header. With ``max_count``, a rank's own selection (the fold, the first
     doubling round) travels with its header in one message padded to the bound, so only the sets
     merged since need a header message first; the indices must then be distinct."""
@@ -214,12 +233,7 @@ def sparcml_sum(
         val = val.to(dtype)  # the one cast
         if me < 2 * extra:
             exchange(me + 1, (idx, val, False), False)
-    total = torch.zeros(numel, dtype=dtype, device=values.device)
-    total[idx] = val.to(dtype)
-    return total
-
-
-SPARSE_SCHEMES.register("sparcml")(sparcml_sum)
+    return SparseSum(numel, dtype, [(idx, val.to(dtype))])
 
 
 def sparcml_expected_bytes(

@@ -40,6 +40,7 @@ from ssfusion_lightning.comm.channels import Channel
 from ssfusion_lightning.comm.collectives import SchemeCommunicator
 from ssfusion_lightning.comm.schemes import (
     COUNT_BYTES,
+    SPARSE_PAIRS,
     SPARSE_SCHEMES,
     SparseSum,
     accumulation_dtype,
@@ -472,7 +473,7 @@ class ZenCommunicator(SchemeCommunicator):
         state = self._state(key)
         scheme = self.choice if self.choice != "auto" else state.choice
         if scheme == "sparcml":
-            total = SPARSE_SCHEMES.get("sparcml")(values, indices, numel, group, traffic, False, max_count, votes)
+            total = SPARSE_PAIRS.get("sparcml")(values, indices, numel, group, traffic, False, max_count, votes)
         else:
             total = zen_pairs(values, indices, numel, group, traffic, False, seed, votes)
         state.rounds += 1
