@@ -42,7 +42,7 @@ class SparseScheme(Protocol):
 SPARSE_SCHEMES: Registry[SparseScheme] = Registry("sparse allreduce scheme")
 #: the schemes that can leave their sum as pairs (same arguments, a ``SparseSum``): the engine
 #: decodes it into the gradients' memory once the local gradients are released
-SPARSE_PAIRS: Registry[SparseScheme] = Registry("sparse pairs scheme")
+SPARSE_PAIRS: Registry["SparseSum"] = Registry("sparse pairs scheme")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
