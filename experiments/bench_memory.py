@@ -106,17 +106,18 @@ RUN_FIELDS = [
     "workload", "scheme", "rep", "rank", "device", "steps", "params", "grad_bytes", "state_bytes", "state_kind",
     "peak_rss_bytes", "hwm_rss_bytes", "baseline_rss_bytes", "train_start_rss_bytes", "end_rss_bytes",
     "cuda_max_allocated_bytes", "cuda_baseline_allocated_bytes", "malloc_mmap_threshold", "fit_seconds", "error",
+    "end_anon_bytes", "end_file_bytes",
 ]
 SUMMARY_FIELDS = [
     "workload", "scheme", "device", "reps", "params", "grad_mb", "peak_mb", "peak_mb_max_rank", "baseline_mb",
     "setup_growth_mb", "end_mb", "extra_mb", "extra_x_grad", "end_extra_x_grad", "state_x_grad", "target",
-    "target_value", "met",
+    "target_value", "met", "end_anon_extra_x_grad", "end_file_extra_mb",
 ]
 
 
 # =========================================================================== one rank (in a fresh process)
 def _proc_status_bytes(field: str) -> int:
-    """VmRSS / VmHWM of this process in bytes (0 where /proc is missing)."""
+    """A size field of /proc/self/status (VmRSS, VmHWM, RssAnon, RssFile) in bytes (0 where /proc is missing)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field + ":"):
@@ -223,6 +224,8 @@ def rank_main(spec: dict[str, Any]) -> int:
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
                 marks["end"] = _proc_status_bytes("VmRSS")
+                marks["end_anon"] = _proc_status_bytes("RssAnon")
+                marks["end_file"] = _proc_status_bytes("RssFile")
                 state, kind = state_bytes(trainer.strategy)
                 if state >= marks.get("state", 0):
                     marks["state"], marks["state_kind"] = state, kind  # type: ignore[assignment]
@@ -258,6 +261,8 @@ def rank_main(spec: dict[str, Any]) -> int:
         result["grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         result["train_start_rss_bytes"] = marks.get("train_start", 0)
         result["end_rss_bytes"] = marks.get("end", 0)
+        result["end_anon_bytes"] = marks.get("end_anon", 0)
+        result["end_file_bytes"] = marks.get("end_file", 0)
         result["state_bytes"] = marks.get("state", 0)
         result["state_kind"] = marks.get("state_kind", "")
         status = 0
@@ -400,6 +405,8 @@ def summarize(runs: list[dict[str, str]]) -> list[dict[str, Any]]:
             "baseline": median([num(r["baseline_rss_bytes"]) for r in rank0]),
             "train_start": median([num(r["train_start_rss_bytes"]) for r in rank0]),
             "end": median([num(r["end_rss_bytes"]) for r in rank0]),
+            "end_anon": median([v for r in rank0 if (v := num(r.get("end_anon_bytes"))) is not None]),
+            "end_file": median([v for r in rank0 if (v := num(r.get("end_file_bytes"))) is not None]),
             "state": median([num(r["state_bytes"]) or 0.0 for r in rank0]),
         }
     for (workload, scheme), row in rows.items():
@@ -410,6 +417,11 @@ def summarize(runs: list[dict[str, str]]) -> list[dict[str, Any]]:
         ends = (row["end"], ddp["end"] if ddp else None)
         row["end_extra_x_grad"] = (ends[0] - ends[1]) / grad if None not in ends and all(ends) and grad else None
         row["state_x_grad"] = row["state"] / grad if grad else None
+        # the RSS after the last step split: anonymous memory (tensors, heaps, stacks) against
+        # file-backed pages (the code of the libraries' kernels a scheme runs, shared by the node's ranks)
+        anon, file = (row["end_anon"], ddp["end_anon"] if ddp else None), (row["end_file"], ddp["end_file"] if ddp else None)
+        row["end_anon_extra_x_grad"] = (anon[0] - anon[1]) / grad if None not in anon and all(anon) and grad else None
+        row["end_file_extra"] = file[0] - file[1] if None not in file and all(file) else None
         kind, factor = target_of(scheme)
         row["target"], row["target_value"], row["met"] = "", None, None
         if kind == "dense" and ddp and peak is not None:
@@ -441,6 +453,7 @@ def summary_csv_rows(summary: list[dict[str, Any]]) -> list[dict[str, str]]:
         "end_extra_x_grad": _g(r["end_extra_x_grad"], "{:.3f}"),
         "state_x_grad": _g(r["state_x_grad"], "{:.3f}"), "target": r["target"],
         "target_value": _g(r["target_value"], "{:.3f}"), "met": "" if r["met"] is None else ("yes" if r["met"] else "no"),
+        "end_anon_extra_x_grad": _g(r["end_anon_extra_x_grad"], "{:.3f}"), "end_file_extra_mb": _mb(r["end_file_extra"]),
     } for r in summary]
 
 
@@ -455,7 +468,9 @@ def markdown(summary: list[dict[str, Any]], runs: list[dict[str, str]]) -> str:
     lines = [
         f"P = 2 ranks on {device.upper()}, {', '.join(steps)} steps per run, {peak_what} of rank 0, median of {reps} "
         "runs (fresh processes each). \"extra\" = peak - DDP's peak (same workload); \"after last step\": the same for "
-        "the RSS after the last optimizer step (what stays resident between steps); gradient size = parameter bytes; "
+        "the RSS after the last optimizer step (what stays resident between steps), split into anonymous memory "
+        "(RssAnon: tensors, heaps, stacks) and file-backed pages (RssFile: the code of the library kernels a scheme runs, "
+        "shared by the ranks of a node); gradient size = parameter bytes; "
         "residual state = the engine memory's residuals (+ momenta for dgc) after the last step (PowerSGD: its error, "
         f"P and Q tensors). Targets (issue 19): extra <= {EXTRA_FACTOR:g} x the nominal residual state "
         f"({STATE_MULTIPLE['residual']:g} x gradient with memory=\"residual\", {STATE_MULTIPLE['dgc']:g} x with \"dgc\"); "
@@ -472,8 +487,8 @@ def markdown(summary: list[dict[str, Any]], runs: list[dict[str, str]]) -> str:
     lines += [
         "",
         "| workload | scheme | peak MB | extra over DDP MB | extra / gradient size | after last step: extra / gradient size "
-        "| residual state / gradient size | target | met |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| of which anonymous / gradient size | of which file-backed MB | residual state / gradient size | target | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
         target = r["target"] + (f" ({r['target_value']:.3f})" if r["target"] == f"peak <= {DENSE_FACTOR:g} x DDP" else "")
@@ -481,6 +496,7 @@ def markdown(summary: list[dict[str, Any]], runs: list[dict[str, str]]) -> str:
         lines.append(
             f"| {r['workload']} | {r['scheme']} | {_mb(r['peak'])} | {_mb(r['extra'], '{:+.1f}') or '-'} | "
             f"{_g(r['extra_x_grad'], '{:+.2f}') or '-'} | {_g(r['end_extra_x_grad'], '{:+.2f}') or '-'} | "
+            f"{_g(r['end_anon_extra_x_grad'], '{:+.2f}') or '-'} | {_mb(r['end_file_extra'], '{:+.1f}') or '-'} | "
             f"{_g(r['state_x_grad'], '{:.2f}') or '-'} | {target or '-'} | {met} |"
         )
     failed = [r for r in runs if r.get("error")]

@@ -10,6 +10,11 @@ about T steps of gradient; SGD applies it in full, while Adam divides it by the 
 moment, which such bursts raise by about T, so the coordinate moves about sqrt(T) less than under
 dense AdamW. The rows show whether the gap to dense follows the optimizer.
 
+``--recipes`` adds AdamW rows that change one part of the sparse recipe at a time: dense steps
+before selection starts (the engine's ``warmup_steps``), and some tensors sent whole every step
+(by parameter name: the tied byte embedding, which is also the output layer; the LayerNorms and
+biases), so that the rows show which part of the model the selection starves.
+
 Writes results/<name>.md and .csv (validation loss after each evaluation point).
 """
 
@@ -26,9 +31,24 @@ import torch.nn.functional as F
 from experiments.common import RESULTS, write_csv
 
 
-def topk_with_feedback(params: list[torch.nn.Parameter], residuals: dict[int, torch.Tensor], density: float) -> None:
-    """Replace every ``.grad`` by its top-``density`` after adding the residual; keep the rest."""
+#: the --recipes rows: label -> (dense steps before selection starts, name fragments of tensors sent whole)
+RECIPES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "dense warm-up 30 steps": (30, ()),
+    "dense warm-up 100 steps": (100, ()),
+    "embedding sent dense": (0, ("embed",)),
+    "LayerNorms and biases sent dense": (0, ("norm", "bias")),
+    "embedding, LayerNorms and biases sent dense": (0, ("embed", "norm", "bias")),
+    "dense warm-up 30 steps + embedding, LayerNorms and biases dense": (30, ("embed", "norm", "bias")),
+}
+
+
+def topk_with_feedback(params: list[torch.nn.Parameter], residuals: dict[int, torch.Tensor], density: float,
+                       dense: frozenset[int] = frozenset()) -> None:
+    """Replace every ``.grad`` by its top-``density`` after adding the residual; keep the rest.
+    The tensors in ``dense`` are sent whole (they keep no residual)."""
     for i, p in enumerate(params):
+        if i in dense:
+            continue
         compensated = p.grad + residuals.get(i, 0.0)
         flat = compensated.reshape(-1)
         k = max(1, math.floor(density * flat.numel()))
@@ -39,7 +59,8 @@ def topk_with_feedback(params: list[torch.nn.Parameter], residuals: dict[int, to
         p.grad = keep.view_as(p.grad)
 
 
-def run(optimizer: str, density: float | None, steps: int, eval_every: int, lr: float, seed: int) -> list[tuple[int, float]]:
+def run(optimizer: str, density: float | None, steps: int, eval_every: int, lr: float, seed: int,
+        dense_steps: int = 0, dense_names: tuple[str, ...] = ()) -> list[tuple[int, float]]:
     from ssfusion_lightning.app.builders import wire_model_kwargs
     from ssfusion_lightning.data import build_datamodule
     from ssfusion_lightning.models import build_model
@@ -48,7 +69,9 @@ def run(optimizer: str, density: float | None, steps: int, eval_every: int, lr: 
     data = build_datamodule("text", batch_size=32, seq_len=64)
     data.setup("fit")
     model = build_model("gpt2", "tiny", **wire_model_kwargs("gpt2", "tiny", {}, data))
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    dense = frozenset(i for i, (n, _) in enumerate(named) if any(part in n for part in dense_names))
     if optimizer == "adamw":
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     else:
@@ -62,8 +85,8 @@ def run(optimizer: str, density: float | None, steps: int, eval_every: int, lr: 
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)  # the e2e workloads' LM setting, before selection as Lightning does
-            if density is not None:
-                topk_with_feedback(params, residuals, density)
+            if density is not None and step >= dense_steps:
+                topk_with_feedback(params, residuals, density, dense)
             opt.step()
             step += 1
             if step % eval_every == 0 or step == steps:
@@ -95,33 +118,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="ef_optimizers", help="file stem")
+    parser.add_argument("--recipes", action="store_true", help="add the AdamW rows of RECIPES")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    sparse = f"top-k {args.density * 100:g}% + error feedback"
+    cases = [(optimizer, lr, density, "dense" if density is None else sparse, 0, ())
+             for optimizer, lr in (("adamw", args.adamw_lr), ("sgd", args.sgd_lr)) for density in (None, args.density)]
+    if args.recipes:
+        cases[2:2] = [("adamw", args.adamw_lr, args.density, f"{sparse}, {label}", steps, names)
+                      for label, (steps, names) in RECIPES.items()]
     rows = []
-    for optimizer, lr in (("adamw", args.adamw_lr), ("sgd", args.sgd_lr)):
-        for density in (None, args.density):
-            started = time.perf_counter()
-            curve = run(optimizer, density, args.steps, args.eval_every, lr, args.seed)
-            label = "dense" if density is None else f"top-k {density * 100:g}% + error feedback"
-            print(f"{optimizer:5} {label:28} " + " ".join(f"{loss:.3f}" for _, loss in curve)
-                  + f"  ({time.perf_counter() - started:.0f} s)", flush=True)
-            rows += [{"optimizer": optimizer, "lr": lr, "density": density or 1.0, "step": s, "val_loss": v} for s, v in curve]
+    for optimizer, lr, density, label, dense_steps, dense_names in cases:
+        started = time.perf_counter()
+        curve = run(optimizer, density, args.steps, args.eval_every, lr, args.seed, dense_steps, dense_names)
+        print(f"{optimizer:5} {label:40} " + " ".join(f"{loss:.3f}" for _, loss in curve)
+              + f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+        rows += [{"optimizer": optimizer, "lr": lr, "density": density or 1.0, "gradient": label, "step": s, "val_loss": v}
+                 for s, v in curve]
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{args.name}.csv", list(rows[0]), rows)
     points = sorted({r["step"] for r in rows})
     lines = [
         f"Validation loss (nats per byte) of the byte-level GPT-2 tiny on the Lee corpus, one process, "
-        f"`python -m experiments.ef_optimizers --steps {args.steps} --adamw-lr {args.adamw_lr:g} --sgd-lr {args.sgd_lr:g}`.",
+        f"`python -m experiments.ef_optimizers --steps {args.steps} --adamw-lr {args.adamw_lr:g} --sgd-lr {args.sgd_lr:g}"
+        + (" --recipes" if args.recipes else "") + "`.",
         "",
         "| optimizer | lr | gradient | " + " | ".join(f"step {s}" for s in points) + " |",
         "|---|---|---|" + "---|" * len(points),
     ]
-    for optimizer in ("adamw", "sgd"):
-        for density in (1.0, args.density):
-            cells = {r["step"]: r["val_loss"] for r in rows if r["optimizer"] == optimizer and r["density"] == density}
-            label = "dense" if density == 1.0 else f"top-k {density * 100:g}% + error feedback"
-            lr = args.adamw_lr if optimizer == "adamw" else args.sgd_lr
-            lines.append(f"| {optimizer} | {lr:g} | {label} | " + " | ".join(f"{cells[s]:.3f}" for s in points) + " |")
+    for optimizer, lr, _, label, _, _ in cases:
+        cells = {r["step"]: r["val_loss"] for r in rows if r["optimizer"] == optimizer and r["gradient"] == label}
+        lines.append(f"| {optimizer} | {lr:g} | {label} | " + " | ".join(f"{cells[s]:.3f}" for s in points) + " |")
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -45,7 +45,8 @@ Nodes of several ranks (issue 16): a ``Layout`` of nodes x L ranks with ``nics``
 node link and ``rings`` parallel rings. Flat ring collectives cross each node boundary once each
 way, at min(node link, NIC x min(rings, nics)); all_to_all and messages send (P-L)/(P-1) of a
 rank's bytes through NICs shared by L/nics ranks; ``hierarchical:<cross>`` is commcost's
-hierarchical_seconds on (node link, NIC x min(1, nics / L)); ``auto`` chooses among all of them.
+hierarchical_seconds on (node link, NIC x min(1, nics / L)); ``auto`` chooses among all of them,
+the hierarchical ones only where ranks have CPU to spare (``Layout.serial_cpu``, as the engine's).
 ``check_layouts`` compares with experiments/bench_layouts.py (2x2 from 4x1 of the same run: one
 NIC per node, gloo's one ring, the namespace's loopback as the node link), and
 ``project_layouts`` projects the paper-size models to 1024 ranks, 8 per node (a NIC per rank,
@@ -72,6 +73,7 @@ from typing import Any
 from experiments.common import read_csv
 from experiments.common import write_rounded_csv as write_csv
 from ssfusion_lightning import commcost
+from ssfusion_lightning.comm.auto import SERIAL_HIERARCHY_LIMIT
 from ssfusion_lightning.commcost import BufferShape, Links, buffer_seconds, choose_scheme, ring_allreduce_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -332,6 +334,12 @@ def oversubscription(ranks: int, cores: int, threads: int = 1) -> float:
     return max(1.0, ranks * threads / max(1, cores))
 
 
+def host_serial_cpu(ranks: int, cores: int) -> float:
+    """``CostProfile.serial_cpu`` of a rank on the emulation host: with one intra-op thread per
+    rank and no core left over per rank, the engine threads' work delays the backward in full."""
+    return 1.0 if ranks >= cores else 0.0
+
+
 def host_scale(world: int, base_world: int, cores: int) -> float:
     """The emulated cluster runs every rank on one host (experiments/cluster; one intra-op thread
     per rank), so CPU-bound work measured at ``base_world`` ranks (the engine's compression and
@@ -388,7 +396,8 @@ class Layout:
     """``nodes`` nodes of ``per_node`` ranks with ``nics`` NICs each; ``node`` and ``nic``:
     (Mbit/s, per-round latency in s) of the intra-node link and of one NIC; ``rings``: the
     parallel rings a ring collective runs, each crossing the node boundary on its own NIC (NCCL's
-    channels: one per NIC; gloo: one ring)."""
+    channels: one per NIC; gloo: one ring); ``serial_cpu``: the share of the engine threads' CPU
+    work that delays the backward (``CostProfile.serial_cpu``, see ``host_serial_cpu``)."""
 
     nodes: int
     per_node: int
@@ -396,6 +405,7 @@ class Layout:
     node: tuple[float, float]
     nic: tuple[float, float]
     rings: int = 1
+    serial_cpu: float = 0.0
 
     @property
     def world(self) -> int:
@@ -445,8 +455,10 @@ def hierarchy_links(layout: Layout) -> tuple[Links, Links] | None:
 
 
 def layout_candidates(layout: Layout) -> tuple[str, ...]:
-    """What ``auto`` chooses among on the layout (the hierarchical schemes need several nodes of several ranks)."""
-    return FLAT_SCHEMES + (HIER_SCHEMES if hierarchy_links(layout) else ())
+    """What ``auto`` chooses among on the layout: the hierarchical schemes need several nodes of
+    several ranks, and, as in ``AutoCommunicator``, ranks with CPU to spare for their extra collectives."""
+    hierarchical = hierarchy_links(layout) and layout.serial_cpu <= SERIAL_HIERARCHY_LIMIT
+    return FLAT_SCHEMES + (HIER_SCHEMES if hierarchical else ())
 
 
 def auto_choice(w: Workload, layout: Layout) -> str:
@@ -565,15 +577,16 @@ def load_layouts(directory: Path, stem: str = "layouts") -> tuple[list[dict], di
 
 
 def check_layouts(rows: list[dict], plans: dict[tuple, Workload], choices: dict[tuple, dict[str, float]],
-                  alpha: float, unshaped: float, scale: float) -> list[dict]:
+                  alpha: float, unshaped: float, scale: float, serial_cpu: float = 0.0) -> list[dict]:
     """Model vs measurement on every layout of several ranks per node, from the flat layout of
     the same P in the same run (its compression, its overhead and, for DDP's hooks, the hook's
     CPU work, as ``hook_seconds`` measures it). The node-local path of the emulation is the namespace's
     loopback, which is CPU-bound like the unshaped link: the unshaped rate measured at the
     base P, ``scale`` times slower (``host_scale``). The NIC is the configured rate, one per node.
     ``auto`` is modelled as everywhere in this module, by its modelled choice for the plan's
-    equal-share buffers; the run's own choices (``choices``, per buffer) are shown beside it but
-    cannot be costed, since the runs do not record each buffer's shape."""
+    equal-share buffers among the candidates the host's ``serial_cpu`` leaves it; the run's own
+    choices (``choices``, per buffer) are shown beside it but cannot be costed, since the runs do
+    not record each buffer's shape."""
     index = {(r["layout"], r["workload"], r["variant"]): r for r in rows}
     out = []
     for r in rows:
@@ -588,7 +601,7 @@ def check_layouts(rows: list[dict], plans: dict[tuple, Workload], choices: dict[
         if b is None or w is None or b["compute_s"] is None:
             continue
         nic, node = (rate_mbit_of(r["rate"]), alpha), (unshaped / scale, alpha)
-        layout = Layout(r["nodes"], r["per_node"], 1, node, nic)
+        layout = Layout(r["nodes"], r["per_node"], 1, node, nic, serial_cpu=serial_cpu)
         comm = layout_comm_seconds(model, w, layout)
         exposed = exposed_seconds(comm, r["compute_s"], w.buffers)
         if model == "ddp":
@@ -933,7 +946,8 @@ def run_layouts(args: argparse.Namespace, alpha: float, base_world: int, unshape
         lrows, lplans, lchoices = load_layouts(args.e2e, args.layouts)
         worlds = {r["nodes"] * r["per_node"] for r in lrows}
         scale = host_scale(max(worlds), base_world, cores) if cores and worlds else 1.0
-        layout_check = check_layouts(lrows, lplans, lchoices, alpha, unshaped, scale)
+        serial = host_serial_cpu(max(worlds), cores) if cores and worlds else 0.0
+        layout_check = check_layouts(lrows, lplans, lchoices, alpha, unshaped, scale, serial)
     projection = [] if args.no_paper else project_layouts(gpu, args.worlds, per_node=args.per_node)
     targets = layout_targets(projection)
     if not layout_check and not projection:

@@ -306,15 +306,17 @@ def test_bench_memory_summary_and_targets_from_rows():
 
     grad = 10 * bench_memory.MiB
 
-    def row(scheme, rank, peak_mb, state=0, rep=0):
+    def row(scheme, rank, peak_mb, state=0, rep=0, anon_mb=300, file_mb=150):
         return {"workload": "mlp12m", "scheme": scheme, "rep": str(rep), "rank": str(rank), "device": "cpu",
                 "steps": "20", "params": str(grad // 4), "grad_bytes": str(grad), "state_bytes": str(state),
                 "peak_rss_bytes": str(int(peak_mb * bench_memory.MiB)), "baseline_rss_bytes": str(400 * bench_memory.MiB),
                 "train_start_rss_bytes": str(410 * bench_memory.MiB), "end_rss_bytes": str(450 * bench_memory.MiB),
+                "end_anon_bytes": str(anon_mb * bench_memory.MiB), "end_file_bytes": str(file_mb * bench_memory.MiB),
                 "cuda_max_allocated_bytes": "", "error": ""}
 
     runs = [row("ddp", 0, 500), row("ddp", 1, 900), row("ddp", 0, 510, rep=1), row("ddp", 1, 510, rep=1),
-            row("ssfusion_dense", 0, 520), row("ssfusion", 0, 520, grad), row("ssfusion", 0, 530, grad, rep=1),
+            row("ssfusion_dense", 0, 520), row("ssfusion", 0, 520, grad, anon_mb=310, file_mb=153),
+            row("ssfusion", 0, 530, grad, rep=1, anon_mb=310, file_mb=153),
             row("ssfusion_dgc", 0, 530, 2 * grad), {**row("zen", 0, 1), "error": "boom"}]
     summary = {r["scheme"]: r for r in bench_memory.summarize(runs)}
     assert list(summary) == ["ddp", "ssfusion_dense", "ssfusion", "ssfusion_dgc"]  # the failed run is left out
@@ -322,12 +324,17 @@ def test_bench_memory_summary_and_targets_from_rows():
     assert summary["ddp"]["peak_max_rank"] == pytest.approx(705 * bench_memory.MiB)
     assert summary["ssfusion"]["extra_x_grad"] == pytest.approx(2.0) and not summary["ssfusion"]["met"]
     assert summary["ssfusion"]["state_x_grad"] == pytest.approx(1.0)
+    assert summary["ssfusion"]["end_anon_extra_x_grad"] == pytest.approx(1.0)
+    assert summary["ssfusion"]["end_file_extra"] == pytest.approx(3 * bench_memory.MiB)
     assert summary["ssfusion_dgc"]["extra_x_grad"] == pytest.approx(2.5) and not summary["ssfusion_dgc"]["met"]
     assert summary["ssfusion_dgc"]["target"] == "extra <= 2.3 x grad"
     assert summary["ssfusion_dense"]["target_value"] == pytest.approx(520 / 505) and summary["ssfusion_dense"]["met"]
     assert summary["ddp"]["met"] is None
     table = bench_memory.markdown(list(summary.values()), runs)
-    assert "| mlp12m | ssfusion | 525.0 | +20.0 | +2.00 | +0.00 | 1.00 | extra <= 1.15 x grad | **no** |" in table
+    assert "| mlp12m | ssfusion | 525.0 | +20.0 | +2.00 | +0.00 | +1.00 | +3.0 | 1.00 | extra <= 1.15 x grad | **no** |" in table
+    # runs recorded before the split: its cells stay empty
+    old = [{k: v for k, v in r.items() if not k.startswith("end_anon") and not k.startswith("end_file")} for r in runs]
+    assert "| mlp12m | ssfusion | 525.0 | +20.0 | +2.00 | +0.00 | - | - | 1.00 |" in bench_memory.markdown(bench_memory.summarize(old), old)
     assert "Failed runs (left out): mlp12m/zen." in table
 
 
@@ -347,6 +354,7 @@ def test_bench_memory_measures_two_tiny_runs_on_two_ranks(tmp_path):
         assert int(r["grad_bytes"]) == 4 * int(r["params"]) > 0
         assert int(r["peak_rss_bytes"]) >= int(r["baseline_rss_bytes"]) > 0
         assert int(r["train_start_rss_bytes"]) > 0 and int(r["end_rss_bytes"]) > 0
+        assert 0 < int(r["end_anon_bytes"]) < int(r["end_rss_bytes"]) and 0 < int(r["end_file_bytes"]) < int(r["end_rss_bytes"])
         # the residual memory holds at most one gradient (dense-sent tensors keep none); DDP none
         assert (0 < int(r["state_bytes"]) <= int(r["grad_bytes"])) if r["scheme"] == "ssfusion" else r["state_bytes"] == "0"
     with (tmp_path / "memory.csv").open() as f:
@@ -458,6 +466,23 @@ def test_hierarchical_and_flat_schemes_on_2_nodes_of_2_ranks_at_hand_computed_po
     assert not any(s.startswith("hierarchical") for s in simulate.layout_candidates(_layout(1, 4, 4, 800.0, 8.0, a)))
 
 
+def test_auto_leaves_out_the_hierarchical_schemes_where_ranks_have_no_cpu_to_spare():
+    # the same 2x2 cluster where hierarchical:allgather is modelled 0.685 x the flat allgather (above)
+    w = simulate.Workload("toy", 10**6, 0, 10**6, 10**4, 1)
+    spare = _layout(2, 2, 1, 800.0, 8.0, 1e-3)
+    assert any(s.startswith("hierarchical") for s in simulate.layout_candidates(spare))
+    assert simulate.auto_choice(w, spare).startswith("hierarchical")
+    for serial in (0.51, 1.0):
+        busy = simulate.Layout(2, 2, 1, (800.0, 1e-3), (8.0, 1e-3), serial_cpu=serial)
+        assert simulate.layout_candidates(busy) == simulate.FLAT_SCHEMES
+        assert not simulate.auto_choice(w, busy).startswith("hierarchical")
+    at_limit = simulate.Layout(2, 2, 1, (800.0, 1e-3), (8.0, 1e-3), serial_cpu=0.5)
+    assert simulate.auto_choice(w, at_limit) == simulate.auto_choice(w, spare)
+    # the emulation host: one intra-op thread per rank, 2 cores
+    assert simulate.host_serial_cpu(4, 2) == simulate.host_serial_cpu(2, 2) == 1.0
+    assert simulate.host_serial_cpu(2, 16) == 0.0
+
+
 def test_nccl_rings_use_every_nic_of_the_projections_nodes():
     # 2 nodes x 8 ranks, a NIC per rank at 25 Gbit/s, node link 2.4 Tbit/s: NCCL's 8 rings cross on
     # 8 NICs, so a flat ring runs at 200 Gbit/s; one node: the node link
@@ -542,6 +567,8 @@ def test_layout_check_predicts_2x2_from_the_flat_run_of_the_same_p():
     choices = {("2x2", "toy", "auto"): {"allgather": 0.5, "hierarchical:allgather": 0.5}}
     out = {r["variant"]: r for r in simulate.check_layouts(rows, plans, choices, 1e-3, 1000.0, 2.0)}
     assert set(out) == {"flat", "hier_allgather", "ddp", "auto"}  # the 2x2 rows only
+    busy = {r["variant"]: r for r in simulate.check_layouts(rows, plans, choices, 1e-3, 1000.0, 2.0, serial_cpu=1.0)}
+    assert busy["auto"]["model"].startswith("auto -> allgather") and out["auto"]["model"].startswith("auto -> hierarchical")
     layout = simulate.Layout(2, 2, 1, (500.0, 1e-3), (40.0, 1e-3))
     for variant, model, extra in (("flat", "allgather", 0.1), ("hier_allgather", "hierarchical:allgather", 0.1),
                                   ("ddp", "ddp", 0.0), ("auto", "auto", 0.45 - 0.2 - 0.15)):
