@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from experiments.common import RESULTS, write_csv
 
-
 #: the --recipes rows: label -> (dense steps before selection starts, name fragments of tensors sent whole)
 RECIPES: dict[str, tuple[int, tuple[str, ...]]] = {
     "dense warm-up 30 steps": (30, ()),
