@@ -7,6 +7,7 @@ so every rank computes the same plan. No per-model tables, no model-name rules.
 
 from __future__ import annotations
 
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -72,6 +73,20 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
+def fit_per_size_medians(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``fit_line`` through the median time of each size among (size, seconds) samples.
+
+    A rank that shares its core with other ranks is now and then descheduled for a whole time slice
+    in the middle of a selection. Least squares through such raw samples took that wait for the
+    cost (a 4-rank run on 2 cores: 5-9 ms per selection, with no growth in size), while the median
+    of a size's repeats keeps the selection's own time as long as most repeats ran undisturbed."""
+    by_size: dict[int, list[float]] = {}
+    for numel, seconds in samples:
+        by_size.setdefault(numel, []).append(seconds)
+    sizes = sorted(by_size)
+    return fit_line([float(n) for n in sizes], [statistics.median(by_size[n]) for n in sizes])
+
+
 def line_through(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
     """Intercept and slope of the line through two (bytes, seconds) points, clamped at >= 0."""
     (x0, y0), (x1, y1) = small, large
@@ -116,7 +131,7 @@ class Profiler:
         for n in self.names:
             samples = sorted(self.backward[n])
             medians.append(samples[len(samples) // 2] if samples else 0.0)
-        fixed, per_element = fit_line([float(n) for n, _ in self.compress], [s for _, s in self.compress])
+        fixed, per_element = fit_per_size_medians(self.compress)
         launches = sorted(self.launches)
         launch = launches[len(launches) // 2] if launches else 0.0
         return medians + [fixed, per_element, launch + job_cpu_seconds]

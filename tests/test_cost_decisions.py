@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssfusion_lightning.costmodel import CostProfile, Link, fit_line, line_through
+from ssfusion_lightning.costmodel import CostProfile, Link, Profiler, fit_line, fit_per_size_medians, line_through
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.fusion.adaptive import adaptive_boundaries
 from ssfusion_lightning.fusion.partial import sparse_decisions
@@ -283,6 +283,26 @@ def test_a_link_is_the_line_through_its_small_and_large_message():
     assert alpha == pytest.approx(3.89e-3 - 3072 * beta) and 3.2e-3 < alpha < 3.89e-3
     assert alpha + beta * xs[-1] == pytest.approx(ys[-1])
     assert 1 / beta == pytest.approx(4.8e6, rel=0.01)  # 40 Mbit/s, 5 MB/s, less the protocol's share
+
+
+def test_the_compression_line_keeps_the_selections_cost_when_a_rank_waits_for_its_core():
+    # 3 profiling rounds of 3 tensors, each selection 20 us + 4 ns per element, and in one round
+    # every selection waited 10 ms for a core (a time slice of another rank on the same core)
+    true = (20e-6, 4e-9)
+    samples = [(n, true[0] + true[1] * n + (10e-3 if round_ == 1 else 0.0))
+               for round_ in range(3) for n in (1_000, 10_000, 100_000)]
+    fixed, per_element = fit_per_size_medians(samples)
+    assert fixed == pytest.approx(true[0], rel=1e-6) and per_element == pytest.approx(true[1], rel=1e-6)
+    # least squares through the raw samples takes the waits for a fixed cost of about 3.3 ms
+    assert fit_line([float(n) for n, _ in samples], [t for _, t in samples])[0] > 3e-3
+    # however long the wait, the medians hold
+    samples[5] = (100_000, samples[5][1] + 1.0)
+    assert fit_per_size_medians(samples) == (pytest.approx(true[0], rel=1e-6), pytest.approx(true[1], rel=1e-6))
+    profiler = Profiler(["w"])
+    for numel, seconds in samples:
+        profiler.compressed(numel, seconds)
+    assert profiler.local_vector()[1:3] == [pytest.approx(true[0], rel=1e-6), pytest.approx(true[1], rel=1e-6)]
+    assert fit_per_size_medians([]) == (0.0, 0.0)
 
 
 def test_a_line_never_goes_negative():
