@@ -303,23 +303,6 @@ def test_the_compression_line_keeps_the_selections_cost_when_a_rank_waits_for_it
         profiler.compressed(numel, seconds)
     assert profiler.local_vector()[1:3] == [pytest.approx(true[0], rel=1e-6), pytest.approx(true[1], rel=1e-6)]
     assert fit_per_size_medians([]) == (0.0, 0.0)
-    # one size (every tensor of a batched buffer the same size): through the origin, not all fixed
-    assert fit_per_size_medians([(4096, 8e-3), (4096, 9e-3), (4096, 30e-3)]) == (0.0, pytest.approx(9e-3 / 4096))
-
-
-def test_a_batched_selection_reports_each_tensor_its_share_of_the_call():
-    from ssfusion_lightning.fusion.base import CompressContext, ErrorFeedback
-    from ssfusion_lightning.sparsifiers import build_sparsifier
-    from ssfusion_lightning.sparsifiers.memory import MEMORIES
-
-    reported = []
-    ctx = CompressContext(build_sparsifier("topk", density=0.1), ErrorFeedback(MEMORIES.build("residual")), 1.0,
-                          on_selected=lambda numel, seconds: reported.append((numel, seconds)))
-    grads = [torch.randn(n) for n in (100, 300, 600)]
-    ctx.select_many(grads, ["a", "b", "c"], [10, 30, 60])
-    assert [n for n, _ in reported] == [100, 300, 600]
-    total = sum(t for _, t in reported)
-    assert total > 0 and [t / total for _, t in reported] == [pytest.approx(0.1), pytest.approx(0.3), pytest.approx(0.6)]
 
 
 def test_a_line_never_goes_negative():
