@@ -203,6 +203,19 @@ def test_a_buffer_goes_dense_where_its_all_reduce_beats_selection_plus_the_best_
     assert plan.notes["comm"] == ["allgather"] and plan.buffers[0].slots == one_buffer_plan().buffers[0].slots
 
 
+def test_a_buffers_selections_are_charged_as_one_call():
+    # 100 sparse tensors of 10^4 elements, k = 100 each, and a compression line read from one
+    # batched call of the buffer: 8 ms fixed, nothing per element. P = 2, 50 us + 10 ns/B:
+    # sparse = 8 ms + an allgather of 10^4 pairs (50 us + 800 us) = 8.85 ms; dense = 50 us +
+    # 1/2 * 2 * 4 * 10^6 * 10 ns = 40.05 ms -> sparse. Charging 8 ms per tensor (800 ms) sent it dense.
+    slots = tuple(Slot(f"s{i}", i, (10**4,), i * 10**4, 10**4, True, 100) for i in range(100))
+    plan = Plan((Buffer(0, slots, 0),))
+    link = Link(50 * US, 10e-9)
+    costs = CostProfile(allreduce=link, allgather=link, world_size=2, measured=True, compress_fixed=8e-3, compress_per_element=0.0)
+    assigned = AUTO_FALLBACK.assign(plan, CommContext(2, costs, {0: 4}))
+    assert assigned.notes["comm"] == ["allgather"] and assigned.buffers[0].slots == slots
+
+
 @pytest.mark.parametrize(
     "auto, costs",
     [

@@ -14,7 +14,10 @@ Sparsifying must pay for itself: once the costs are measured, a buffer whose den
 (all of it, as a DDP bucket) is modelled faster than its selections plus its best scheme is sent
 dense (``dense_fallback``) by the all-reduce candidates: no selection, nothing left in error
 feedback, what it still owes goes out with it. On a fast link this is what keeps the engine from being slower than DDP. Before the
-costs are measured the compression cost is a guess, so the sparse plan is the first choice.
+costs are measured the compression cost is a guess, so the sparse plan is the first choice. The
+selections are charged as one call over all of the buffer's sparse elements: the compression
+line's fixed part is measured per call, and a buffer selected in one batched call reads it whole,
+so charging it per tensor had counted it once for every tensor of the buffer.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ class AutoCommunicator(Communicator):
             shape = buffer_shape(buffer, value_bytes)
             scheme = choose_scheme(shape, links, candidates, costs.selection_spread, hierarchy)
             seconds = scheme_seconds(scheme, shape, links, costs.selection_spread, hierarchy)
-            compress = sum(costs.compress_seconds(slot.numel) for slot in buffer.sparse_slots)
+            compress = costs.compress_seconds(buffer.sparse_numel) if buffer.sparse_slots else 0.0
             chosen, note = Buffer(buffer.index, buffer.slots, buffer.channel, scheme), scheme
             dense_candidates = tuple(s for s in DENSE_SCHEMES if s in candidates)
             if self.dense_fallback and costs.measured and buffer.sparse_slots and dense_candidates:
