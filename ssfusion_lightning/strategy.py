@@ -14,7 +14,7 @@ import pickle
 import sys
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Generator, Literal, Optional
+from typing import Any, Generator, Iterable, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,18 @@ def _positive_mib(name: str, value: Any, none_means: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number{none_means}, got {value!r} (a finite size in MiB)")
     return float(value)
+
+
+def _patterns(name: str, value: Any) -> tuple[str, ...]:
+    """A list of fnmatch patterns (one pattern may be given as a plain string)."""
+    patterns = (value,) if isinstance(value, str) else value
+    if not isinstance(patterns, Iterable) or isinstance(patterns, (bytes, dict)):
+        raise ValueError(f"{name} must be a list of parameter-name patterns, got {value!r}")
+    patterns = tuple(patterns)
+    bad = [p for p in patterns if not isinstance(p, str) or not p]
+    if bad:
+        raise ValueError(f"{name} must be a list of non-empty parameter-name patterns (fnmatch), got {bad[0]!r} in {value!r}")
+    return patterns
 
 
 def _raised_by_a_collective(exception: BaseException) -> bool:
@@ -146,6 +158,10 @@ class SSFusionStrategy(DDPStrategy):
             dense to ``density`` along a geometric path in ``density_warmup_stages`` stages (default
             4: DGC's 25%, 6.3%, 1.6%, 0.4% before 0.1%; see ``sparsifiers/schedule.py``). The plan
             follows each stage on every rank.
+        dense_params: fnmatch patterns of parameter names (as ``named_parameters`` gives them) whose
+            tensors are sent whole at every step, whatever the fusion policy plans (a language
+            model's tied embedding loses accuracy when sparsified: see the README). A pattern that
+            matches no name is an error.
         start_method: as DDP's: how Lightning launches the ranks, "popen" | "spawn" | "fork" | "forkserver".
         find_unused_parameters: as DDP's: a parameter that no rank used keeps ``.grad`` untouched.
         broadcast_buffers: as DDP's: module buffers (BatchNorm statistics) are broadcast from rank 0
@@ -188,6 +204,7 @@ class SSFusionStrategy(DDPStrategy):
         density_warmup_steps: int = 0,
         density_warmup_epochs: float = 0,
         density_warmup_stages: int = 4,
+        dense_params: Sequence[str] | str = (),
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -265,6 +282,7 @@ class SSFusionStrategy(DDPStrategy):
                 "were both given; set the warm-up's length in one of them (the other 0)"
             )
         self.density_warmup_epochs = float(density_warmup_epochs)
+        self.dense_params = _patterns("dense_params", dense_params)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.nonfinite = _choice("nonfinite policy", nonfinite, NONFINITE_POLICIES)
@@ -389,6 +407,7 @@ class SSFusionStrategy(DDPStrategy):
                 find_unused_parameters=self.find_unused_parameters,
                 offload=self.offload,
                 nonfinite=self.nonfinite,
+                dense_params=self.dense_params,
                 # a little above the groups' own timeout, so gloo's error (if any) is the one reported
                 timeout_seconds=self._timeout.total_seconds() + 10 if self._timeout is not None else None,
             ),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -94,10 +94,17 @@ class Buffer:
     def densified(self, comm: str | None = None) -> Buffer:
         """The same tensors, every one sent dense (its dense part is the whole buffer); ``comm``:
         the scheme that runs it (default: this buffer's)."""
-        offset, slots = 0, []
+        return self.sending_dense({slot.param for slot in self.slots}, comm)
+
+    def sending_dense(self, params: Collection[int], comm: str | None = None) -> Buffer:
+        """The same tensors with those of the parameter positions ``params`` sent dense; both
+        parts' offsets follow (``comm``: as in ``densified``)."""
+        offsets, slots = {False: 0, True: 0}, []
         for slot in self.slots:
-            slots.append(Slot(slot.name, slot.param, slot.shape, offset, slot.numel, False, slot.numel))
-            offset += slot.numel
+            sparse = slot.sparse and slot.param not in params
+            k = slot.k if sparse else slot.numel
+            slots.append(Slot(slot.name, slot.param, slot.shape, offsets[sparse], slot.numel, sparse, k))
+            offsets[sparse] += slot.numel
         return Buffer(self.index, tuple(slots), self.channel, self.comm if comm is None else comm)
 
 
@@ -106,6 +113,12 @@ class Plan:
     buffers: tuple[Buffer, ...]
     #: policy-specific facts worth reporting (e.g. the thresholds ``selective`` chose)
     notes: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def sending_dense(self, params: Collection[int]) -> Plan:
+        """The same buffers with the tensors of the parameter positions ``params`` sent dense."""
+        if not params:
+            return self
+        return Plan(tuple(buffer.sending_dense(params) for buffer in self.buffers), self.notes)
 
     def fingerprint(self) -> str:
         # a buffer's scheme counts only when chosen, so plans without one keep their fingerprints

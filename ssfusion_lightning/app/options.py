@@ -68,6 +68,7 @@ CONFIG_VALUES: dict[str, tuple[Any, str]] = {
     "timeout": (None, "In seconds here (null: torch's default)."),
     "start_method": ("auto", "auto (here): popen, or spawn under a Hydra multirun (docs/cli.md, Sweeps)."),
     "memory_options": ({}, "Added key by key: strategy.memory=dgc +strategy.memory_options.momentum=0.5"),
+    "dense_params": ([], "On the command line: 'strategy.dense_params=[\"*embed*\",\"*norm*\"]'"),
 }
 
 _WIDTH = 110
@@ -89,7 +90,7 @@ def config_options(cls: type = SSFusionStrategy) -> dict[str, Any]:
         if name in NOT_IN_CONFIG:
             continue
         value = CONFIG_VALUES[name][0] if name in CONFIG_VALUES else default
-        if not isinstance(value, _PLAIN) and value != {}:
+        if not isinstance(value, _PLAIN) and value not in ({}, []):
             raise TypeError(
                 f"SSFusionStrategy's option {name}={value!r} has no value a config can hold: give it one in "
                 f"CONFIG_VALUES, or name it in NOT_IN_CONFIG (ssfusion_lightning/app/options.py)"

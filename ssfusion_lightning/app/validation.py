@@ -109,6 +109,10 @@ _SSFUSION_RULES: dict[str, Callable[[str, Any], None]] = {
     "density_warmup_steps": _rule(lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0: no density warm-up)"),
     "density_warmup_epochs": _rule(lambda v: _is_number(v) and v >= 0, "a number of epochs >= 0 (0: no density warm-up)"),
     "density_warmup_stages": _rule(lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "dense_params": _rule(
+        lambda v: isinstance(v, (list, tuple)) and all(isinstance(p, str) and p for p in v),
+        "a list of parameter-name patterns (fnmatch), e.g. ['*embed*', '*norm*']",
+    ),
     "find_unused_parameters": _rule(lambda v: isinstance(v, bool), "true or false"),
     "broadcast_buffers": _rule(lambda v: isinstance(v, bool), "true or false"),
     "nonfinite": _choice_rule(NONFINITE_CHOICES),

@@ -20,6 +20,7 @@ agreements that end a round (``agreement.py``), and the state checkpoints keep (
 from __future__ import annotations
 
 import copy
+import fnmatch
 import math
 import time
 from concurrent.futures import Future
@@ -72,6 +73,8 @@ class EngineConfig:
     nonfinite: str = "raise"
     #: seconds to wait for one buffer's collectives before failing the step
     timeout_seconds: float | None = None
+    #: fnmatch patterns of parameter names sent dense at every step, whatever the policy plans
+    dense_params: tuple[str, ...] = ()
 
 
 NONFINITE_POLICIES = ("raise", "skip")
@@ -82,6 +85,19 @@ BATCH_BELOW = 1 << 16
 #: ``offload="auto"`` offloads nothing when more than this share of a worker thread's CPU work
 #: delays the main thread (a rank with one core: measured 35 ms more per step on resnet18 at P = 2)
 SERIAL_OFFLOAD_LIMIT = 0.5
+
+def dense_positions(names: Sequence[str], patterns: Sequence[str]) -> frozenset[int]:
+    """Positions of the parameters whose names match one of the fnmatch ``patterns``. A pattern
+    that matches nothing is an error: a misspelt name would otherwise leave its tensor sparse."""
+    positions = set()
+    for pattern in patterns:
+        matched = {i for i, name in enumerate(names) if fnmatch.fnmatchcase(name, pattern)}
+        if not matched:
+            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            raise ValueError(f"dense_params pattern {pattern!r} matches no parameter name; the names are: {shown}")
+        positions |= matched
+    return frozenset(positions)
+
 
 def dense_version(plan: Plan) -> Plan:
     """The same buffers with every tensor sent dense (warm-up steps)."""
@@ -178,6 +194,7 @@ class FusionEngine:
         self.config = config
         self.grad_scaler = grad_scaler
         self._coo = frozenset(i for i, name in enumerate(self.names) if name in set(sparse_gradients))
+        self._sent_dense = dense_positions(self.names, config.dense_params)
         # Sparse gradients must be summed exactly; Ok-Topk keeps only about k entries of a sum.
         self._coo_communicator = communicator if communicator.exact else COMMUNICATORS.build("allgather")
         self.world_size = dist.get_world_size(channels[0].group) if dist.is_initialized() else 1
@@ -219,7 +236,7 @@ class FusionEngine:
         ctx = PlanContext(
             self.sparsifier, self.config.buffer_bytes, len(self.channels), self.world_size, costs, self.config.first_buffer_bytes
         )
-        return self.policy.plan(self.specs(order), ctx)
+        return self.policy.plan(self.specs(order), ctx).sending_dense(self._sent_dense)
 
     def scheduled_density(self, step: int) -> float:
         """The density the plan of ``step`` asks for: the warm-up's stage, then the target."""

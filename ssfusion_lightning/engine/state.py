@@ -324,6 +324,7 @@ RESUME_RULES: dict[str, str] = {
     "density_warmup_steps": "replan",
     "density_warmup_epochs": "replan",
     "density_warmup_stages": "replan",
+    "dense_params": "replan",
     "find_unused_parameters": "apply",
     "nonfinite": "apply",
 }

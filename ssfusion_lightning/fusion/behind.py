@@ -39,29 +39,35 @@ class BehindPolicy(FusionPolicy):
     ) -> Encoded:
         if not buffer.sparse_slots:
             return super().compress(buffer, grads, dense_out, ctx)
+        # Tensors the user asked to send whole (``dense_params``) go into the dense part as in any
+        # policy; the sparse ones are fused and selected together.
+        pieces = [
+            self.compress_slot(slot, grad, dense_out, ctx) for slot, grad in zip(buffer.slots, grads) if not slot.sparse
+        ]
+        sparse = [(slot, grad) for slot, grad in zip(buffer.slots, grads) if slot.sparse]
         # Error feedback stays per tensor, so re-planned buffers never lose a residual. A parameter
         # this rank's backward did not reach (None) joins the fused tensor as zeros, with no
         # compensation and no update: whatever of it is selected sends zeros. Each tensor is
         # compensated straight into its slice of the fused one.
         # where the gradients are (host memory when the offload worker staged them there)
         device = next((grad.device for grad in grads if grad is not None), ctx.device)
-        fused = torch.empty(buffer.numel, dtype=ctx.dtype, device=device)
-        for slot, grad in zip(buffer.slots, grads):
+        fused = torch.empty(buffer.sparse_numel, dtype=ctx.dtype, device=device)
+        for slot, grad in sparse:
             part = fused[slot.offset : slot.offset + slot.numel]
             if grad is None:
                 part.zero_()
             else:
                 ctx.feedback.compensate_into(slot.name, grad, part)
-        k = sum(slot.k for slot in buffer.slots)
+        k = sum(slot.k for slot, _ in sparse)
         values, indices = ctx.select(fused, f"buffer{buffer.index}", k)
-        updates = []
-        for slot, grad in zip(buffer.slots, grads):
+        updates = [piece.update for piece in pieces if piece.update is not None]
+        for slot, grad in sparse:
             if grad is None:
                 continue
             mine = (indices >= slot.offset) & (indices < slot.offset + slot.numel)
             updates.append(PendingUpdate(slot.name, grad, indices[mine] - slot.offset, slot.offset))
         return Encoded(
-            dense=None,
+            dense=dense_out,
             values=values * ctx.scale,
             indices=indices,
             updates=updates,
