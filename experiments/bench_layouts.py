@@ -18,8 +18,8 @@ other round, so that drift of the shared host's load falls on every variant alik
 - ``ddp``, ``ddp_powersgd`` (rank 1), ``ddp_powersgd4`` (rank 4): Lightning's DDP and its hooks;
 - ``flat``: the ssfusion preset with ``comm="allgather"`` (its flat sparse collective);
 - ``hier_<cross>``: the ssfusion preset with ``comm="hierarchical"`` and that cross-node step
-  (layouts with L > 1 only); ``hier_allgather_dense`` / ``_sparse``: cross allgather with the
-  sparse part's node step pinned;
+  (layouts with L > 1 only); ``hier_allgather_dense`` / ``_sparse`` / ``_relay``: cross allgather
+  with the sparse part's node step pinned;
 - ``auto``: the ssfusion preset as shipped (``comm="auto"``; on L > 1 it may pick hierarchical).
 
 Outputs under --out (default experiments/results), stem --name (default layouts):
@@ -71,7 +71,7 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
        for cross in ("allgather", "zen", "sparcml", "allreduce", "oktopk")},
     # the sparse part's node step pinned (hier_<cross> leaves it to node="auto")
     **{f"hier_allgather_{node}": ("ssfusion", {"comm": "hierarchical", "comm_options": {"cross": "allgather", "node": node}})
-       for node in ("dense", "sparse")},
+       for node in ("dense", "sparse", "relay")},
 }
 DEFAULT_VARIANTS = ("compute_only", "ddp", "ddp_powersgd", "ddp_powersgd4", "flat", "hier_allgather", "auto")
 

@@ -48,8 +48,12 @@ EXACT_SCHEMES = ("allreduce", "allgather", "zen", "sparcml")
 HIERARCHICAL = "hierarchical:"
 HIERARCHICAL_SCHEMES = tuple(HIERARCHICAL + scheme for scheme in SCHEMES)
 #: how the hierarchical sync's sparse part meets inside the node: "dense" reduce-scatters and
-#: all-gathers the whole part, "sparse" all-gathers the selections and the summed stripes' nonzeros
-NODE_STEPS = ("dense", "sparse")
+#: all-gathers the whole part, "sparse" all-gathers the selections and the summed stripes' nonzeros,
+#: "relay" all-gathers the pairs the cross-node step gathered
+NODE_STEPS = ("dense", "sparse", "relay")
+#: the node step that forms no sums (cross allgather only): each rank's pairs cross the nodes on its
+#: cross-node group, then the node all-gathers what its ranks received
+RELAY = "relay"
 #: counts and message headers travel as int64
 COUNT_BYTES = 8
 #: positions travel as int32 in any buffer of fewer than 2**31 elements (comm/schemes.py's
@@ -309,11 +313,16 @@ def node_step_collectives(
     in fp32 at least. ``dense``: reduce-scatter and all-gather of the whole part (and, for Ok-Topk,
     of a byte per element marking the applied positions). ``sparse``: allgather of every local
     rank's k pairs (the plan bounds the counts: no count round, as a flat allgather), then of the
-    summed stripes' nonzeros, after a count round (for Ok-Topk, then of the applied positions)."""
+    summed stripes' nonzeros, after a count round (for Ok-Topk, then of the applied positions).
+    ``relay``: one allgather of the N pieces of k pairs each local rank received across nodes."""
     if step not in NODE_STEPS:
         raise ValueError(f"unknown node step {step!r}; valid choices: {', '.join(NODE_STEPS)}")
+    if step == RELAY and cross != "allgather":
+        raise ValueError(f"node step 'relay' needs cross 'allgather', got {cross!r}")
     if per_node <= 1 or shape.sparse <= 0:
         return []
+    if step == RELAY:  # the N pieces of k pairs each local rank gathered across nodes, their counts ahead
+        return [(per_node - 1) * (nodes * shape.k * shape.pair + nodes * shape.index_bytes)]
     acc = max(shape.value_bytes, 4)
     share = (per_node - 1) / per_node
     oktopk = cross == "oktopk"
@@ -333,11 +342,13 @@ def choose_node_step(cross: str, shape: BufferShape, per_node: int, nodes: int) 
     Judged at independent selections, the most nonzeros a sum holds in expectation, so the choice
     depends on the plan (N, k, bytes per value) and the layout only: every rank of every node
     makes it alike, whatever it selected."""
-    dense, sparse = (sum(node_step_collectives(step, cross, shape, per_node, nodes)) for step in NODE_STEPS)
+    dense, sparse = (sum(node_step_collectives(step, cross, shape, per_node, nodes)) for step in ("dense", "sparse"))
     return "sparse" if sparse < dense else "dense"
 
 
-def hierarchical_seconds(cross: str, shape: BufferShape, node: Links, across: Links, spread: float = 1.0) -> float:
+def hierarchical_seconds(
+    cross: str, shape: BufferShape, node: Links, across: Links, spread: float = 1.0, step: str | None = None
+) -> float:
     """The hierarchical sync (comm/hierarchical.py) on ``across.world`` nodes of ``node.world``
     ranks: the dense part reduce-scattered and all-gathered inside the node (the allgather link's
     ring moves the same bytes) and its stripe all-reduced across nodes; the sparse part through the
@@ -346,15 +357,20 @@ def hierarchical_seconds(cross: str, shape: BufferShape, node: Links, across: Li
     node's union of L selections) through ``cross`` on the cross-node group. The L local ranks
     cross at once, each with its own stripe on its own NIC: one stripe's time. Sparse partial sums
     travel in fp32 at least. A stripe's nonzeros have no bound known in advance, so a cross-node
-    allgather first agrees on the largest count (one more round)."""
+    allgather first agrees on the largest count (one more round). ``step``: a pinned node step
+    (None: ``choose_node_step``'s); under ``relay`` every rank's k pairs cross on its own NIC,
+    bounded by the plan, and the node gathers the N pieces each local rank received."""
     per_node, nodes = node.world, across.world
     acc = max(shape.value_bytes, 4)
     inside = 2 * node.allgather.seconds((per_node - 1) / per_node * shape.dense * shape.value_bytes)
     seconds = inside + dense_seconds(shape.dense / per_node, shape.value_bytes, across)
     if shape.sparse <= 0:
         return seconds
-    step = choose_node_step(cross, shape, per_node, nodes)
+    step = step or choose_node_step(cross, shape, per_node, nodes)
     collectives = node_step_collectives(step, cross, shape, per_node, nodes, spread)
+    if step == RELAY:
+        seconds += sum(node.allgather.message(nbytes) for nbytes in collectives)
+        return seconds + sparse_seconds("allgather", shape, across, spread)
     seconds += sum(node.allgather.message(nbytes) for nbytes in collectives)
     union = expected_nonzeros(shape.sparse, shape.k, per_node, spread)
     stripe = BufferShape(0, shape.sparse / per_node, union / per_node, acc, shape.index_bytes)

@@ -18,7 +18,7 @@ from ssfusion_lightning.comm.hierarchical import CROSS_SCHEMES, hierarchical_den
 from ssfusion_lightning.comm.oktopk import OkTopkState
 from ssfusion_lightning.comm.topology import Hierarchy, create_hierarchy, node_layout
 from ssfusion_lightning.comm.traffic import Traffic
-from ssfusion_lightning.commcost import EXACT_SCHEMES, NODE_STEPS, BufferShape, choose_node_step, node_step_collectives
+from ssfusion_lightning.commcost import EXACT_SCHEMES, NODE_STEPS, RELAY, BufferShape, choose_node_step, node_step_collectives
 from ssfusion_lightning.vocabulary import Buffer, Slot
 from tests.workloads import Regressor, make_trainer, regression_data
 
@@ -64,6 +64,15 @@ def flat_sum(world: int, numel: int, count: int) -> torch.Tensor:
     return total
 
 
+#: the node steps that sum inside the node (relay forms no sums: it serves cross allgather only)
+SUMMING_STEPS = tuple(step for step in NODE_STEPS if step != RELAY)
+
+
+def crosses_of(node: str) -> list[str]:
+    """The exact cross-node schemes that run under node step ``node``."""
+    return ["allgather"] if node == RELAY else list(EXACT_SCHEMES)
+
+
 def run_sums(ranks_per_node: int, crosses: list[str], node: str = "dense") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     hierarchy = create_hierarchy(rank, world, ranks_per_node, "gloo", None)
@@ -87,7 +96,7 @@ def run_sums(ranks_per_node: int, crosses: list[str], node: str = "dense") -> di
 @pytest.mark.parametrize("node", NODE_STEPS)
 @pytest.mark.parametrize("ranks_per_node", [2, 1, 4])
 def test_hierarchical_sums_are_exact_on_4_ranks(pool4, ranks_per_node, node):
-    exact = list(EXACT_SCHEMES)
+    exact = crosses_of(node)
     results = pool4.run(run_sums, ranks_per_node, exact, node)
     expected = flat_sum(4, NUMEL, 60)
     for rank, result in enumerate(results):
@@ -99,7 +108,7 @@ def test_hierarchical_sums_are_exact_on_4_ranks(pool4, ranks_per_node, node):
             assert torch.equal(total, expected), f"rank {rank}, cross {cross}: not the flat sum"
 
 
-@pytest.mark.parametrize("node", NODE_STEPS)
+@pytest.mark.parametrize("node", SUMMING_STEPS)
 def test_oktopk_across_nodes_keeps_about_k_entries_and_reports_them(pool4, node):
     results = pool4.run(run_sums, 2, ["oktopk"], node)
     expected = flat_sum(4, NUMEL, 60)
@@ -139,7 +148,7 @@ def run_float_sums(dtype: torch.dtype, values_of, shared_positions: bool) -> dic
     values = values_of(rank).to(dtype)
     out = {}
     for node in NODE_STEPS:
-        for cross in EXACT_SCHEMES:
+        for cross in crosses_of(node):
             out[node, cross] = hierarchical_sparse_sum(values, indices, NUMEL, hierarchy, cross, Traffic(), node=node)[0]
     for group in {hierarchy.local, hierarchy.cross}:
         dist.destroy_process_group(group)
@@ -262,7 +271,7 @@ def test_every_rank_picks_the_node_step_with_fewer_bytes(cross, per_node, nodes,
     steps = {comm.node_step(buffer, Hierarchy(None, None, rank, per_node, nodes), value_bytes) for rank in range(per_node)}
     assert len(steps) == 1  # from the plan and the layout alone: every local rank, every node alike
     shape = BufferShape(0, numel, k, value_bytes)
-    nbytes = {step: sum(node_step_collectives(step, cross, shape, per_node, nodes)) for step in NODE_STEPS}
+    nbytes = {step: sum(node_step_collectives(step, cross, shape, per_node, nodes)) for step in SUMMING_STEPS}
     assert nbytes[steps.pop()] == min(nbytes.values())
     if choose_node_step(cross, shape, per_node, nodes) == "sparse":  # fewer selections keep it sparse
         assert choose_node_step(cross, BufferShape(0, numel, max(1, k // 2), value_bytes), per_node, nodes) == "sparse"

@@ -20,6 +20,14 @@ The sparse node step moves O(k) bytes per rank instead of O(n): fewer wherever t
 link (``commcost.choose_node_step``) from the plan's n and k and the layout only, never from what
 a rank selected, so every rank issues the same collectives.
 
+With ``cross="allgather"`` a third node step, ``relay``, forms no partial sum at all: each rank
+all-gathers its own k pairs on its cross-node group (the ranks of its local index, one per node),
+then the node all-gathers what each local rank received. Every rank ends with every rank's pairs,
+as a flat allgather gives them, in two collectives (no count round where the plan bounds the
+counts) and O(P k) work: no pass over the part's n elements, which the striped steps make
+several of. The slow link carries each rank's pairs once per other node, against a flat ring
+allgather's P - 1 times through some node link.
+
 With an exact ``cross`` scheme (allreduce, allgather, zen, sparcml) the result is the exact sum
 of every rank's part, as a flat scheme's (up to fp summation order; low-precision values are
 summed in fp32 and cast once), under either node step. Every node receives the same cross-node
@@ -45,10 +53,19 @@ from torch import Tensor
 from ssfusion_lightning.comm.base import COMMUNICATORS, Communicator, PendingReduction
 from ssfusion_lightning.comm.channels import Channel, ChannelSet
 from ssfusion_lightning.comm.oktopk import OkTopkState, OkTopkStates, oktopk_reduce
-from ssfusion_lightning.comm.schemes import SPARSE_SCHEMES, accumulation_dtype, allgather_sum, index_bytes
+from ssfusion_lightning.comm.schemes import (
+    SPARSE_SCHEMES,
+    SparseSum,
+    accumulation_dtype,
+    allgather_pairs,
+    allgather_sum,
+    exchange_counts,
+    index_bytes,
+    wire_index_dtype,
+)
 from ssfusion_lightning.comm.topology import Hierarchy
 from ssfusion_lightning.comm.traffic import Traffic
-from ssfusion_lightning.commcost import NODE_STEPS, SCHEMES, BufferShape, choose_node_step, ring_allreduce_bytes
+from ssfusion_lightning.commcost import NODE_STEPS, RELAY, SCHEMES, BufferShape, choose_node_step, ring_allreduce_bytes
 from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
 #: every flat scheme can be the cross-node step
@@ -138,6 +155,60 @@ def _cross_step(
     return SPARSE_SCHEMES.get(cross)(stripe[where], where, stripe.numel(), hierarchy.cross, traffic), None
 
 
+def _relay(values: Tensor, indices: Tensor, numel: int, hierarchy: Hierarchy, traffic: Traffic, max_count: int | None) -> SparseSum:
+    """Every rank's pairs: across nodes on this rank's cross-node group, then inside the node,
+    each rank's pairs kept as a piece of its own (one piece never holds a position twice, so the
+    decode adds in the same order on every rank, on any device)."""
+    across = allgather_pairs(values, indices, numel, hierarchy.cross, traffic, max_count=max_count)
+    if hierarchy.ranks_per_node == 1:
+        return across
+    return _node_gather_pieces(across, hierarchy, traffic, None if max_count is None else max_count * hierarchy.nodes)
+
+
+def _node_gather_pieces(mine: SparseSum, hierarchy: Hierarchy, traffic: Traffic, max_count: int | None) -> SparseSum:
+    """Every local rank's pieces, in local-rank order: one allgather whose header carries each
+    piece's count, padded to ``max_count`` pairs (or to the largest total, after a count round)."""
+    group, me, size = hierarchy.local, hierarchy.local_rank, hierarchy.ranks_per_node
+    counts = [positions.numel() for positions, _ in mine.pieces]
+    total = sum(counts)
+    values = torch.cat(mine.values())
+    device = values.device
+    slots = max_count if max_count is not None else max(exchange_counts(total, group, device, traffic))
+    index_dtype = wire_index_dtype(mine.numel)
+    index_size = torch.tensor([], dtype=index_dtype).element_size()
+    header = len(counts)
+    # header (the pieces' counts), then positions, padded so the values start 8-byte aligned
+    position_slots = -(-(slots + header) * index_size // 8) * 8 // index_size
+    positions = torch.cat(
+        [
+            torch.tensor(counts, dtype=index_dtype, device=device),
+            torch.cat([p for p, _ in mine.pieces]).to(index_dtype),
+            torch.zeros(position_slots - header - total, dtype=index_dtype, device=device),
+        ]
+    )
+    padded_values = torch.cat([values, values.new_zeros(slots - total)])
+    message = torch.cat([positions.view(torch.uint8), padded_values.view(torch.uint8)])
+    gathered = [torch.empty_like(message) for _ in range(size)]
+    dist.all_gather(gathered, message, group=group)
+    split = position_slots * index_size
+    pieces, received = [], 0
+    for rank, part in enumerate(gathered):
+        if rank == me:
+            pieces.extend(mine.pieces)
+            continue
+        part_positions = part[:split].view(index_dtype)
+        part_values = part[split:].view(values.dtype)
+        start = header
+        for n in part_positions[:header].tolist():
+            pieces.append((part_positions[start : start + n].to(torch.int64), part_values[start - header : start - header + n]))
+            start += n
+        received += start - header
+    pair = index_size + values.element_size()
+    padded = (size - 1) * (split + slots * values.element_size())
+    traffic.add(sent=(size - 1) * total * pair, received=received * pair, padded_sent=padded, padded_received=padded)
+    return SparseSum(mine.numel, mine.dtype, pieces)
+
+
 def hierarchical_sparse_sum(
     values: Tensor,
     indices: Tensor,
@@ -158,6 +229,10 @@ def hierarchical_sparse_sum(
     count known to all (the sparse node step then skips its count round)."""
     if node not in NODE_STEPS:
         raise ValueError(f"hierarchical_sparse_sum: unknown node step {node!r}; valid choices: {', '.join(NODE_STEPS)}")
+    if node == RELAY:
+        if cross != "allgather":
+            raise ValueError(f"hierarchical_sparse_sum: node step 'relay' needs cross='allgather', got cross={cross!r}")
+        return _relay(values, indices, numel, hierarchy, traffic, max_count).dense(), None
     size = hierarchy.ranks_per_node
     length = stripe_length(numel, size)
     acc = accumulation_dtype(values.dtype)
@@ -192,8 +267,8 @@ class HierarchicalCommunicator(Communicator):
     """Dense and sparse parts summed in the node, across nodes and back (see the module doc),
     on different channels so the two run concurrently. ``cross``: the cross-node step of the
     sparse part, one of allreduce, allgather, zen, sparcml, oktopk (default allgather). ``node``:
-    the sparse part's node step, dense, sparse, or auto (default): per buffer, the one that moves
-    fewer bytes on the node link (``commcost.choose_node_step``)."""
+    the sparse part's node step, dense, sparse, relay (cross allgather only), or auto (default):
+    per buffer, the one ``commcost.choose_node_step`` picks."""
 
     name = "hierarchical"
     sums_dense = True
@@ -205,6 +280,10 @@ class HierarchicalCommunicator(Communicator):
             raise ValueError(f"hierarchical communicator: unknown cross {cross!r}; valid choices: {', '.join(CROSS_SCHEMES)}")
         if node not in NODE_OPTIONS:
             raise ValueError(f"hierarchical communicator: unknown node {node!r}; valid choices: {', '.join(NODE_OPTIONS)}")
+        if node == RELAY and cross != "allgather":
+            raise ValueError(
+                f"hierarchical communicator: node='relay' forms no sums, so it needs cross='allgather', got cross={cross!r}"
+            )
         self.cross = cross
         self.node = node
         self.exact = cross != "oktopk"
@@ -246,6 +325,8 @@ class HierarchicalCommunicator(Communicator):
         values: Tensor, indices: Tensor, numel: int, hierarchy: Hierarchy, group,
     ) -> tuple[Tensor, Traffic, Any]:
         traffic = Traffic()
+        if step == RELAY:  # left as pairs: the engine decodes once the local gradients are released
+            return _relay(values, indices, numel, hierarchy, traffic, bound), traffic, None
         state = self.states.of(key) if self.cross == "oktopk" else None
         total, applied = hierarchical_sparse_sum(
             values, indices, numel, hierarchy, self.cross, traffic, k, state, node=step, max_count=bound
