@@ -306,6 +306,53 @@ def test_sparse_training_keeps_every_rank_identical(pool4, cross):
             assert torch.equal(value, results[0][name]), f"rank {rank}: {name} differs from rank 0"
 
 
+def test_relay_training_matches_the_flat_allgather_and_keeps_every_rank_identical(pool4):
+    relay = pool4.run(train_hierarchical, "hierarchical", "topk", {"cross": "allgather", "node": RELAY})
+    flat = pool4.run(train_hierarchical, "allgather", "topk", {})
+    for rank, params in enumerate(relay):
+        for name, value in params.items():
+            assert torch.equal(value, relay[0][name]), f"rank {rank}: {name} differs from rank 0"
+            # every rank's pairs, added in another order (0, 2, 1, 3): equal up to rounding
+            torch.testing.assert_close(value, flat[rank][name], rtol=1e-5, atol=1e-6)
+
+
+def run_relay_traffic(max_count: int | None) -> tuple[int, int, torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hierarchy = create_hierarchy(rank, world, 2, "gloo", None)
+    values, indices = rank_selection(rank, TRAFFIC_NUMEL, TRAFFIC_K)
+    traffic = Traffic()
+    total, applied = hierarchical_sparse_sum(
+        values, indices, TRAFFIC_NUMEL, hierarchy, "allgather", traffic, node=RELAY, max_count=max_count
+    )
+    assert applied is None
+    for group in {hierarchy.local, hierarchy.cross}:
+        dist.destroy_process_group(group)
+    return traffic.sent, traffic.padded_sent, total
+
+
+def test_relay_sends_each_rank_pairs_once_per_other_node_and_the_gathered_pieces_in_the_node(pool4):
+    # 2 nodes x 2 ranks, k = 200 pairs of 8 B (fp32, int32): across nodes, a rank's 200 pairs to the
+    # one other node (1,600 B); in the node, the 2 pieces it received (400 pairs) to its 1 neighbour
+    # (3,200 B): 4,800 B, as commcost models the two steps. Padded: headers (a count across nodes; 2
+    # piece counts in the node, both rounded up to 8 B) and no count round under the plan's bound.
+    expected = flat_sum(4, TRAFFIC_NUMEL, TRAFFIC_K)
+    shape = BufferShape(0, TRAFFIC_NUMEL, TRAFFIC_K, 4)
+    for sent, padded, total in pool4.run(run_relay_traffic, TRAFFIC_K):
+        assert torch.equal(total, expected)
+        assert sent == 4_800
+        assert padded == (8 + 1_600) + (8 + 3_200)
+        assert node_step_collectives(RELAY, "allgather", shape, 2, 2) == [3_200 + 2 * 4]
+    for sent, padded, total in pool4.run(run_relay_traffic, None):  # unbounded: the counts first
+        assert torch.equal(total, expected) and sent == 4_800 + 2 * 8
+
+
+def test_relay_is_refused_with_a_cross_step_that_sums():
+    with pytest.raises(ValueError, match="node='relay' forms no sums, so it needs cross='allgather', got cross='zen'"):
+        COMMUNICATORS.build("hierarchical", cross="zen", node=RELAY)
+    with pytest.raises(ValueError, match="node step 'relay' needs cross 'allgather', got 'sparcml'"):
+        node_step_collectives(RELAY, "sparcml", BufferShape(0, 1000, 10, 4), 2, 2)
+
+
 def test_the_command_line_builds_a_hierarchical_strategy():
     from ssfusion_lightning.app.builders import build_strategy
     from ssfusion_lightning.app.config import compose_config
