@@ -18,7 +18,14 @@ from ssfusion_lightning.comm.hierarchical import CROSS_SCHEMES, hierarchical_den
 from ssfusion_lightning.comm.oktopk import OkTopkState
 from ssfusion_lightning.comm.topology import Hierarchy, create_hierarchy, node_layout
 from ssfusion_lightning.comm.traffic import Traffic
-from ssfusion_lightning.commcost import EXACT_SCHEMES, NODE_STEPS, RELAY, BufferShape, choose_node_step, node_step_collectives
+from ssfusion_lightning.commcost import (
+    EXACT_SCHEMES,
+    NODE_STEPS,
+    RELAY,
+    BufferShape,
+    choose_node_step,
+    node_step_collectives,
+)
 from ssfusion_lightning.vocabulary import Buffer, Slot
 from tests.workloads import Regressor, make_trainer, regression_data
 
