@@ -79,17 +79,12 @@ def fit_per_size_medians(samples: Sequence[tuple[int, float]]) -> tuple[float, f
     A rank that shares its core with other ranks is now and then descheduled for a whole time slice
     in the middle of a selection. Least squares through such raw samples took that wait for the
     cost (a 4-rank run on 2 cores: 5-9 ms per selection, with no growth in size), while the median
-    of a size's repeats keeps the selection's own time as long as most repeats ran undisturbed.
-    With one size the fixed part cannot be told from the per-element one: the line goes through
-    the origin, so that tensors of that size are charged what they took, and others by size."""
+    of a size's repeats keeps the selection's own time as long as most repeats ran undisturbed."""
     by_size: dict[int, list[float]] = {}
     for numel, seconds in samples:
         by_size.setdefault(numel, []).append(seconds)
     sizes = sorted(by_size)
-    medians = [statistics.median(by_size[n]) for n in sizes]
-    if len(sizes) == 1:
-        return 0.0, medians[0] / sizes[0] if sizes[0] else 0.0
-    return fit_line([float(n) for n in sizes], medians)
+    return fit_line([float(n) for n in sizes], [statistics.median(by_size[n]) for n in sizes])
 
 
 def line_through(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:

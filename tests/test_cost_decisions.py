@@ -92,25 +92,6 @@ def test_selective_threshold_at_hand_computed_points(compress_us, allreduce_alph
     assert chosen_density == pytest.approx(sparse_density)
 
 
-def test_selective_prefers_the_denser_threshold_within_its_tolerance():
-    # c = 24 us, a_r = a_g = 50 us: tau = 0 takes 3 * 24 + 50 + 0.824 = 122.824 us, tau = 20 takes
-    # 24 + 50 + 50 + 0.920 = 124.920 us, 1.7% more: the policy's default 5% sends p0 and p1 dense,
-    # 1% keeps the fastest
-    costs = profile(compress_fixed_us=24, allreduce_alpha_us=50, allgather_alpha_us=50)
-    topk = build_sparsifier("topk", density=0.1)
-    assert choose_threshold(SELECTIVE_BUFFER, 0.1, costs, topk, prefer_dense_within=0.05)[0] == 20
-    assert choose_threshold(SELECTIVE_BUFFER, 0.1, costs, topk, prefer_dense_within=0.01)[0] == 0
-    ctx = PlanContext(topk, 1 << 20, 1, 2, costs)
-    assert FUSION_POLICIES.build("selective").plan(SELECTIVE_BUFFER, ctx).notes["thresholds"] == [20]
-    exact = FUSION_POLICIES.build("selective", prefer_dense_within=0).plan(SELECTIVE_BUFFER, ctx)
-    assert exact.notes["thresholds"] == [0]
-    # never past the dense budget, however close (density 0.01: tau = 20 is over it)
-    assert choose_threshold(SELECTIVE_BUFFER, 0.01, costs, build_sparsifier("topk", density=0.01), prefer_dense_within=0.99)[0] == 10
-    for bad in (-0.1, 1.0, "5%", True):
-        with pytest.raises(ValueError, match="prefer_dense_within must be a fraction in \\[0, 1\\)"):
-            FUSION_POLICIES.build("selective", prefer_dense_within=bad)
-
-
 def test_selective_volume_neutral_option_lowers_the_sparse_density():
     # The opt-in earlier rule: the sparse tensors get (density * T - F) / (T - F), so the buffer
     # sends about density * T elements. At c = 26, a_r = 50 it picks tau = 20 (F = 30):
@@ -322,23 +303,6 @@ def test_the_compression_line_keeps_the_selections_cost_when_a_rank_waits_for_it
         profiler.compressed(numel, seconds)
     assert profiler.local_vector()[1:3] == [pytest.approx(true[0], rel=1e-6), pytest.approx(true[1], rel=1e-6)]
     assert fit_per_size_medians([]) == (0.0, 0.0)
-    # one size (every tensor of a batched buffer the same size): through the origin, not all fixed
-    assert fit_per_size_medians([(4096, 8e-3), (4096, 9e-3), (4096, 30e-3)]) == (0.0, pytest.approx(9e-3 / 4096))
-
-
-def test_a_batched_selection_reports_each_tensor_its_share_of_the_call():
-    from ssfusion_lightning.fusion.base import CompressContext, ErrorFeedback
-    from ssfusion_lightning.sparsifiers import build_sparsifier
-    from ssfusion_lightning.sparsifiers.memory import MEMORIES
-
-    reported = []
-    ctx = CompressContext(build_sparsifier("topk", density=0.1), ErrorFeedback(MEMORIES.build("residual")), 1.0,
-                          on_selected=lambda numel, seconds: reported.append((numel, seconds)))
-    grads = [torch.randn(n) for n in (100, 300, 600)]
-    ctx.select_many(grads, ["a", "b", "c"], [10, 30, 60])
-    assert [n for n, _ in reported] == [100, 300, 600]
-    total = sum(t for _, t in reported)
-    assert total > 0 and [t / total for _, t in reported] == [pytest.approx(0.1), pytest.approx(0.3), pytest.approx(0.6)]
 
 
 def test_a_line_never_goes_negative():

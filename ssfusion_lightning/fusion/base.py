@@ -92,11 +92,7 @@ class CompressContext:
             return self.sparsifier.select_many(compensated, keys, ks)
         started = time.perf_counter()
         selected = self.sparsifier.select_many(compensated, keys, ks)
-        seconds, total = time.perf_counter() - started, sum(c.numel() for c in compensated)
-        # each tensor's share of the one call, by size: the cost model charges its fixed part per
-        # tensor, and a batched call pays it once
-        for c in compensated:
-            self.on_selected(c.numel(), seconds * c.numel() / total if total else 0.0)
+        self.on_selected(sum(c.numel() for c in compensated), time.perf_counter() - started)
         return selected
 
 
