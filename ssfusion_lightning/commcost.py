@@ -13,7 +13,8 @@ the nonzeros of the sum, measures how much the ranks' selections overlap (``expe
     dense part (every scheme)  allreduce: 2(P-1)/P * F v
     allreduce                  the sparse part scattered and all-reduced with the dense part, in
                                one all-reduce: 2(P-1)/P * (F + N) v
-    allgather                  allgather: (P-1) k (v+x)
+    allgather                  allgather: (P-1) k (v+x); a dense part with F v <= k (v+x) rides
+                               in the same message, (P-1) (k (v+x) + F v), with no all-reduce
     zen                        all_to_all of counts and of (P-1)/P k (v+x) pairs, allgather of
                                counts and of (P-1)/P min(N/8 + K v, K (v+x)) (bitmap or COO pull)
     sparcml                    recursive doubling: 2 point-to-point messages per round, the set
@@ -178,6 +179,15 @@ def ring_allreduce_bytes(nbytes: float, world: int) -> float:
     return 2 * (world - 1) * nbytes / world if world > 1 else 0.0
 
 
+def dense_rides(shape: BufferShape) -> bool:
+    """Whether the allgather carries the buffer's dense part in its own message (summed by every
+    rank in rank order) instead of an all-reduce of its own: where the dense part is no larger than
+    the k pairs it would ride with, F v <= k (v + x). Every rank then gathers at most twice the bytes
+    and saves a collective's latency (on 4 ranks at 40 Mbit/s, an all-reduce's alpha measured 9.8
+    ms against 3.1 ms for the allgather's). From the plan alone, so every rank decides alike."""
+    return 0 < shape.dense * shape.value_bytes <= shape.k * shape.pair
+
+
 def dense_seconds(numel: int, value_bytes: int, links: Links) -> float:
     """Ring all-reduce of ``numel`` elements."""
     return links.allreduce.seconds(ring_allreduce_bytes(numel * value_bytes, links.world))
@@ -288,10 +298,13 @@ def sparse_seconds(scheme: str, shape: BufferShape, links: Links, spread: float 
 
 def buffer_seconds(scheme: str, shape: BufferShape, links: Links, spread: float = 1.0) -> float:
     """The buffer's communication under ``scheme``: ``allreduce`` sends both parts in one
-    all-reduce (as a DDP bucket); the others all-reduce the dense part and run the sparse part
-    through the scheme, one after the other (the two share the link even on different groups)."""
+    all-reduce (as a DDP bucket); ``allgather`` carries a small dense part in its message
+    (``dense_rides``); otherwise the dense part is all-reduced and the sparse part run through the
+    scheme, one after the other (the two share the link even on different groups)."""
     if scheme == "allreduce":
         return dense_seconds(shape.dense + shape.sparse, shape.value_bytes, links)
+    if scheme == "allgather" and shape.sparse > 0 and links.world > 1 and dense_rides(shape):
+        return links.allgather.seconds((links.world - 1) * (shape.k * shape.pair + shape.dense * shape.value_bytes))
     return dense_seconds(shape.dense, shape.value_bytes, links) + sparse_seconds(scheme, shape, links, spread)
 
 

@@ -753,3 +753,69 @@ def test_a_sparse_sum_decodes_in_order_and_counts_its_support(numel, ranks, seed
     assert SparseSum(numel, torch.bfloat16, pieces).count_nonzero() == int(touched.sum())
     if not bool(((expected == 0) & touched).any()):
         assert SparseSum(numel, torch.bfloat16, pieces).count_nonzero() == int(torch.count_nonzero(expected))
+
+
+# --------------------------------------------------------------------------- a small dense part riding in the allgather
+def run_riding(inputs, numel, dense_numel, max_count):
+    """One buffer's parts through a 2-channel hybrid communicator: (dense sum, sparse sum, calls,
+    whether it rode) for the plan's k = max_count."""
+    from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
+    from ssfusion_lightning.vocabulary import Buffer, Encoded, Slot
+
+    rank = dist.get_rank()
+    values, indices = inputs[rank]
+    dense = torch.arange(dense_numel, dtype=torch.float32) * (rank + 1)
+    slots = (Slot("d", 0, (dense_numel,), 0, dense_numel, False, dense_numel), Slot("s", 1, (numel,), 0, numel, True, max_count))
+    buffer = Buffer(0, slots, 0)
+    groups = [dist.new_group(backend="gloo") for _ in range(2)]
+    channels = ChannelSet(groups, torch.device("cpu"))
+    communicator = COMMUNICATORS.build("hybrid")
+    encoded = Encoded(dense.clone(), values, indices.to(torch.int64), max_count=max_count)
+    rides = communicator._dense_rides(encoded, buffer)
+    with CountedCalls() as calls:
+        reduced = communicator.launch(encoded, buffer, channels).wait()
+    channels.shutdown()
+    for group in groups:
+        dist.destroy_process_group(group)
+    sparse = reduced.sparse.dense() if isinstance(reduced.sparse, SparseSum) else reduced.sparse
+    return reduced.dense, sparse, sorted(calls.names), rides
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_small_dense_part_rides_in_the_allgather_and_sums_exactly(pools, world):
+    numel, k = 5000, 60
+    inputs = make_inputs(world, "random", numel, k, torch.int64, torch.float32, set(), 5)
+    expected_sparse = dense_sum(inputs, numel).to(torch.float32)
+    # F v <= k (v + x): 120 dense values (480 B) ride with 60 pairs (480 B); 121 do not
+    for dense_numel, rides in ((120, True), (121, False)):
+        expected_dense = torch.arange(dense_numel, dtype=torch.float32) * sum(range(1, world + 1))
+        results = pools[world].run(run_riding, inputs, numel, dense_numel, k)
+        for dense, sparse, calls, rode in results:
+            assert rode == rides
+            assert torch.equal(dense, expected_dense) and torch.equal(sparse, expected_sparse)
+            # one collective for the whole buffer, or the all-reduce beside it
+            assert calls == (["all_gather"] if rides else ["all_gather", "all_reduce"]), calls
+        assert all(torch.equal(r[0], results[0][0]) for r in results)
+
+
+def test_dense_rides_at_hand_computed_points():
+    from ssfusion_lightning.commcost import (
+        BufferShape,
+        Link,
+        Links,
+        buffer_seconds,
+        dense_rides,
+        dense_seconds,
+        sparse_seconds,
+    )
+
+    assert dense_rides(BufferShape(120, 5000, 60)) and not dense_rides(BufferShape(121, 5000, 60))
+    assert not dense_rides(BufferShape(0, 5000, 60))
+    # 4 ranks, alpha 3 ms / 10 ms, 0.2 us/B: riding gathers 3 (60 * 8 + 120 * 4) = 2,880 B in one
+    # allgather: 3 ms + 0.576 ms; apart, the all-reduce of 480 B adds 10 ms + 0.144 ms
+    links = Links(4, Link(10e-3, 0.2e-6), Link(3e-3, 0.2e-6), Link(3e-3, 0.2e-6), Link(1e-3, 0.2e-6))
+    assert buffer_seconds("allgather", BufferShape(120, 5000, 60), links) == pytest.approx(3e-3 + 2880 * 0.2e-6)
+    apart = BufferShape(121, 5000, 60)
+    assert buffer_seconds("allgather", apart, links) == pytest.approx(
+        dense_seconds(121, 4, links) + sparse_seconds("allgather", apart, links)
+    )

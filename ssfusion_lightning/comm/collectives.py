@@ -1,4 +1,5 @@
-"""The dense + sparse communicators: dense parts are all-reduced, sparse parts summed by a scheme."""
+"""The dense + sparse communicators: dense parts are all-reduced, sparse parts summed by a scheme
+(an allgather carries a small dense part in its own message instead)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,16 @@ from torch import Tensor
 
 from ssfusion_lightning.comm.base import COMMUNICATORS, Communicator, PendingReduction, Reduced
 from ssfusion_lightning.comm.channels import Channel, ChannelSet, result
-from ssfusion_lightning.comm.schemes import SPARSE_PAIRS, SPARSE_SCHEMES, accumulation_dtype
+from ssfusion_lightning.comm.schemes import (
+    SPARSE_PAIRS,
+    SPARSE_SCHEMES,
+    SparseSum,
+    accumulation_dtype,
+    allgather_pairs,
+    index_bytes,
+)
 from ssfusion_lightning.comm.traffic import Traffic
-from ssfusion_lightning.commcost import ring_allreduce_bytes
+from ssfusion_lightning.commcost import BufferShape, dense_rides, ring_allreduce_bytes
 from ssfusion_lightning.vocabulary import Buffer, Encoded
 
 
@@ -54,6 +62,12 @@ class SchemeCommunicator(Communicator):
     sums_dense = True
 
     def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
+        if self._dense_rides(encoded, buffer):
+            job = channels[buffer.channel].submit(
+                allgather_with_dense, encoded.dense, encoded.values, encoded.indices, buffer.sparse_numel,
+                encoded.equal_counts, encoded.max_count, encoded.votes,
+            )
+            return _JointReduction(job, channels.device)
         dense = sparse = None
         if encoded.dense is not None:
             dense = channels[buffer.channel].submit(allreduce_dense, encoded.dense)
@@ -66,6 +80,15 @@ class SchemeCommunicator(Communicator):
             else:
                 sparse = self.submit_sparse(channel, encoded, buffer)
         return PendingReduction(dense, sparse, channels.device)
+
+    def _dense_rides(self, encoded: Encoded, buffer: Buffer) -> bool:
+        """An allgather buffer with a small dense part sends it in the same message (from the plan
+        alone: every rank decides alike)."""
+        if self.scheme != "allgather" or encoded.dense is None or encoded.values is None or encoded.shared_indices:
+            return False
+        k = sum(slot.k for slot in buffer.sparse_slots)
+        value_bytes = encoded.values.element_size()
+        return dense_rides(BufferShape(buffer.dense_numel, buffer.sparse_numel, k, value_bytes, index_bytes(buffer.sparse_numel)))
 
     def carries_votes(self, buffer: Buffer) -> bool:
         # every sparse scheme fills ``votes`` from an exchange it makes anyway (see schemes.py)
@@ -110,6 +133,23 @@ class _JointReduction(PendingReduction):
     def wait(self, timeout: float | None = None) -> Reduced:
         dense, sparse, traffic = result(self._job, self._device, timeout)
         return Reduced(dense, sparse, traffic)
+
+
+def allgather_with_dense(
+    dense: Tensor,
+    values: Tensor,
+    indices: Tensor,
+    numel: int,
+    equal_counts: bool,
+    max_count: int | None,
+    votes: Tensor | None,
+    group: dist.ProcessGroup | None,
+) -> tuple[Tensor, SparseSum, Traffic]:
+    """Both parts of a buffer in ONE allgather: the dense part rides after the pairs (see
+    ``schemes.allgather_pairs``)."""
+    traffic = Traffic()
+    total = allgather_pairs(values, indices, numel, group, traffic, equal_counts, max_count, votes, dense=dense)
+    return dense, total, traffic
 
 
 def allreduce_joint(

@@ -147,6 +147,7 @@ def allgather_pairs(
     equal_counts: bool = False,
     max_count: int | None = None,
     votes: Tensor | None = None,
+    dense: Tensor | None = None,
 ) -> SparseSum:
     """AGsparse: allgather every rank's (count, indices, values); the sum is every rank's pairs,
     in rank order.
@@ -155,6 +156,9 @@ def allgather_pairs(
     the counts are known in advance: ``equal_counts``, or ``max_count`` (a bound every rank's
     count respects, known from the plan), which saves that round at the price of padding.
     ``votes`` ride in the header, after the count: every rank receives every rank's header.
+    ``dense`` (the buffer's dense part, in the values' dtype) rides after the values, and is
+    replaced in place by the sum of every rank's, added in rank order in ``accumulation_dtype``:
+    a small dense part then costs no all-reduce of its own (``commcost.dense_rides``).
     """
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
@@ -179,11 +183,19 @@ def allgather_pairs(
         header = torch.cat([header, votes[me : me + 1].to(index_dtype)])
     padding = indices.new_zeros(position_slots - header_slots - count, dtype=index_dtype)
     positions = torch.cat([header, indices.to(index_dtype), padding])
-    padded_values = torch.cat([values, values.new_zeros(slots - count)])
+    padded_values = torch.cat([values, values.new_zeros(slots - count)] + ([] if dense is None else [dense.to(values.dtype)]))
     message = torch.cat([positions.view(torch.uint8), padded_values.contiguous().view(torch.uint8)])
     gathered = [torch.empty_like(message) for _ in range(world)]
     dist.all_gather(gathered, message, group=group)
     split = position_slots * index_bytes
+    if dense is not None:
+        dense_bytes = dense.numel() * values.element_size()
+        total = torch.zeros(dense.numel(), dtype=accumulation_dtype(dense.dtype), device=dense.device)
+        for part in gathered:
+            total += part[part.numel() - dense_bytes :].view(values.dtype).to(total.dtype)
+        dense.copy_(total)
+        gathered = [part[: part.numel() - dense_bytes] for part in gathered]
+        traffic.add((world - 1) * dense_bytes, (world - 1) * dense_bytes)
     pieces = []
     received = 0
     for rank, part in enumerate(gathered):
