@@ -537,7 +537,11 @@ def layout_targets(rows: list[dict]) -> list[dict]:
 
 
 # =========================================================================== validation on nodes of several ranks
-def load_layouts(directory: Path, stem: str = "layouts") -> tuple[list[dict], dict[tuple, Workload], dict[tuple, dict[str, float]]]:
+#: the layouts run the validation reads by default: the newest, on the code the model describes
+LAYOUTS_RUN = "layouts_rides"
+
+
+def load_layouts(directory: Path, stem: str = LAYOUTS_RUN) -> tuple[list[dict], dict[tuple, Workload], dict[tuple, dict[str, float]]]:
     """experiments/bench_layouts.py's summary rows, the plan of every (layout, workload, variant)
     (medians over its runs) and, for ``auto``, the share of buffers per chosen scheme."""
     summary = read_csv(directory / f"{stem}.csv")
@@ -894,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-report", action="store_true")
     parser.add_argument("--host-cores", type=int, default=None,
                         help="cores of the emulation host (default: the e2e meta's cpus, else 2); 0: no oversubscription model")
-    parser.add_argument("--layouts", default="layouts",
+    parser.add_argument("--layouts", default=LAYOUTS_RUN,
                         help="stem of experiments/bench_layouts.py's CSVs in --e2e (nodes of several ranks); '' to skip")
     parser.add_argument("--per-node", type=int, default=PER_NODE, help="ranks per node of the layout projection")
     args = parser.parse_args(argv)
