@@ -193,18 +193,20 @@ def test_low_precision_partial_sums_are_not_rounded_before_crossing_nodes(pool4)
 TRAFFIC_NUMEL, TRAFFIC_K = 20_000, 200  # 1% density
 
 
-def run_node_traffic(node: str, max_count: int | None) -> tuple[int, torch.Tensor]:
-    """One node of all 4 ranks (no cross-node step): every byte counted is on the node link."""
+def run_node_traffic(node: str, max_count: int | None, ranks_per_node: int = 4) -> tuple[int, torch.Tensor, int]:
+    """(bytes sent, sum, padded bytes sent) of one sparse part with a cross allgather; with all 4
+    ranks in one node (the default) every byte counted is on the node link."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    hierarchy = create_hierarchy(rank, world, 4, "gloo", None)
+    hierarchy = create_hierarchy(rank, world, ranks_per_node, "gloo", None)
     values, indices = rank_selection(rank, TRAFFIC_NUMEL, TRAFFIC_K)
     traffic = Traffic()
-    total, _ = hierarchical_sparse_sum(
+    total, applied = hierarchical_sparse_sum(
         values, indices, TRAFFIC_NUMEL, hierarchy, "allgather", traffic, node=node, max_count=max_count
     )
+    assert applied is None
     for group in {hierarchy.local, hierarchy.cross}:
         dist.destroy_process_group(group)
-    return traffic.sent, total
+    return traffic.sent, total, traffic.padded_sent
 
 
 def test_the_sparse_node_step_sends_k_pairs_not_n_values(pool4):
@@ -216,7 +218,7 @@ def test_the_sparse_node_step_sends_k_pairs_not_n_values(pool4):
     dense = pool4.run(run_node_traffic, "dense", None)
     for max_count, count_round in ((None, 24), (TRAFFIC_K, 0)):
         sparse = pool4.run(run_node_traffic, "sparse", max_count)
-        for rank, ((sent, total), (dense_sent, dense_total)) in enumerate(zip(sparse, dense)):
+        for rank, ((sent, total, _), (dense_sent, dense_total, _)) in enumerate(zip(sparse, dense)):
             assert dense_sent == 120_000
             assert torch.equal(total, expected) and torch.equal(dense_total, expected)
             stripe = int(expected[rank * 5000 : (rank + 1) * 5000].count_nonzero())
@@ -323,20 +325,6 @@ def test_relay_training_matches_the_flat_allgather_and_keeps_every_rank_identica
             torch.testing.assert_close(value, flat[rank][name], rtol=1e-5, atol=1e-6)
 
 
-def run_relay_traffic(max_count: int | None) -> tuple[int, int, torch.Tensor]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    hierarchy = create_hierarchy(rank, world, 2, "gloo", None)
-    values, indices = rank_selection(rank, TRAFFIC_NUMEL, TRAFFIC_K)
-    traffic = Traffic()
-    total, applied = hierarchical_sparse_sum(
-        values, indices, TRAFFIC_NUMEL, hierarchy, "allgather", traffic, node=RELAY, max_count=max_count
-    )
-    assert applied is None
-    for group in {hierarchy.local, hierarchy.cross}:
-        dist.destroy_process_group(group)
-    return traffic.sent, traffic.padded_sent, total
-
-
 def test_relay_sends_each_rank_pairs_once_per_other_node_and_the_gathered_pieces_in_the_node(pool4):
     # 2 nodes x 2 ranks, k = 200 pairs of 8 B (fp32, int32): across nodes, a rank's 200 pairs to the
     # one other node (1,600 B); in the node, the 2 pieces it received (400 pairs) to its 1 neighbour
@@ -344,12 +332,12 @@ def test_relay_sends_each_rank_pairs_once_per_other_node_and_the_gathered_pieces
     # piece counts in the node, both rounded up to 8 B) and no count round under the plan's bound.
     expected = flat_sum(4, TRAFFIC_NUMEL, TRAFFIC_K)
     shape = BufferShape(0, TRAFFIC_NUMEL, TRAFFIC_K, 4)
-    for sent, padded, total in pool4.run(run_relay_traffic, TRAFFIC_K):
+    for sent, total, padded in pool4.run(run_node_traffic, RELAY, TRAFFIC_K, 2):
         assert torch.equal(total, expected)
         assert sent == 4_800
         assert padded == (8 + 1_600) + (8 + 3_200)
         assert node_step_collectives(RELAY, "allgather", shape, 2, 2) == [3_200 + 2 * 4]
-    for sent, padded, total in pool4.run(run_relay_traffic, None):  # unbounded: the counts first
+    for sent, total, _ in pool4.run(run_node_traffic, RELAY, None, 2):  # unbounded: the counts first
         assert torch.equal(total, expected) and sent == 4_800 + 2 * 8
 
 

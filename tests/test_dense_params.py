@@ -23,6 +23,7 @@ from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
 from ssfusion_lightning.vocabulary import ParamSpec
 from tests.test_ddp_equivalence import assert_bitwise_equal, run_pair
+from tests.test_density import Wide
 
 POLICIES = ["layerwise", "behind", "ahead", "aligned", "adaptive", "selective", "partial"]
 
@@ -87,17 +88,6 @@ def test_top_k_with_every_tensor_named_dense_equals_ddp(pool2):
 
 
 # --------------------------------------------------------------------------- some tensors named, on 2 ranks
-class Wide(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(64, 256)
-        self.fc2 = nn.Linear(256, 128)
-        self.head = nn.Linear(128, 10)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
 NAMED = ("head.*", "fc2.bias")
 
 
