@@ -5,13 +5,15 @@ and 4) and every preset at density 1% and 0.1% (0.1% with DGC's density warm-up)
     python -m experiments.bench_tta --quick             # smoke run: P = 2, one link, few steps
     python -m experiments.bench_tta --from-raw          # tables, plots and REPORT block from tta_raw.jsonl
 
-Every run trains the workload's model from the same seed for the same number of steps and
-evaluates every rank's model on the whole validation split every ``--eval-every`` steps (that time
-is left out of the clock). Per (P, link, workload) the target is dense DDP's final validation
-accuracy (or loss, for the language model); per scheme the table gives the wall-clock time and
-the steps to reach it (the first evaluation point at or past it, clock = the sum of the step times
-before it), the speed-up over DDP and over the better PowerSGD, and the final accuracy after the
-same steps. The real data sets ship inside packages (``pip install .[realdata]``); nothing is
+Every run trains the workload's model from the seed and evaluates every rank's model on the whole
+validation split every ``--eval-every`` steps (that time is left out of the clock). Per (P, link,
+workload, seed) the target is dense DDP's final validation accuracy (or loss, for the language
+model) after the workload's steps. Every other scheme may run ``--budget-factor`` times as many
+steps: a time to accuracy must not stop a scheme with faster steps at DDP's step count. Per scheme
+the table gives the wall-clock time and the steps to reach the target (the first evaluation point
+at or past it, clock = the sum of the step times before it), the speed-up over DDP and over the
+better PowerSGD, and the accuracy after DDP's steps. With ``--seeds`` the runs repeat per seed and
+a table of medians over the seeds comes first; the targets are checked on the medians. The real data sets ship inside packages (``pip install .[realdata]``); nothing is
 downloaded.
 
 Outputs under --out (default experiments/results): tta_raw.jsonl (every run), tta_curve.csv (every
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -54,11 +57,11 @@ DENSITIES = (0.01, 0.001)
 #: what "accuracy" means per workload kind: the metric, and whether larger is better
 TARGET_METRIC = {"digits": ("val_acc", True), "text": ("val_loss", False)}
 
-CURVE_FIELDS = ["world", "rate", "workload", "label", "scheme", "density", "step", "seconds", "val_loss", "val_acc"]
+CURVE_FIELDS = ["world", "rate", "workload", "seed", "label", "scheme", "density", "step", "seconds", "val_loss", "val_acc"]
 TTA_FIELDS = [
-    "world", "rate", "workload", "label", "metric", "target", "steps_to_target", "seconds_to_target", "x_ddp",
+    "world", "rate", "workload", "seed", "label", "metric", "target", "steps_to_target", "seconds_to_target", "x_ddp",
     "x_best_powersgd", "final", "final_minus_ddp", "final_acc", "acc_minus_ddp", "worst_gap_from_quarter", "step_ms",
-    "total_seconds",
+    "steps_run", "total_seconds",
 ]
 
 
@@ -67,25 +70,40 @@ def label_of(scheme: str, density: float | None) -> str:
 
 
 def build_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every (workload, scheme, density) run of one phase; presets get their density as overrides."""
+    """Every (seed, workload, scheme, density) run of one phase; presets get their density as
+    overrides. DDP runs the workload's steps, which set the target; every other scheme may run up to
+    ``--budget-factor`` times as many, so that a scheme with faster steps can still reach it."""
     runs = []
-    for workload in args.workloads:
-        steps = args.steps[workload]
-        eval_at = sorted({*range(args.eval_every, steps, args.eval_every), steps})
-        base = {"workload": workload, "rep": 0, "seed": args.seed, "steps": steps, "warmup": 0, "eval": True, "eval_at": eval_at}
-        for scheme in args.baselines:
-            runs.append({**base, "scheme": scheme, "label": label_of(scheme, None), "density": None})
-        for scheme in args.presets:
-            for density in args.densities:
-                overrides: dict[str, Any] = {"density": density}
-                if density < 0.01 and args.warmup_epochs > 0:
-                    overrides["density_warmup_epochs"] = args.warmup_epochs
-                runs.append({**base, "scheme": scheme, "label": label_of(scheme, density), "density": density,
-                             "overrides": overrides})
-                for name, options in args.variants.items():
-                    variant = f"{scheme}+{name}"
-                    runs.append({**base, "scheme": scheme, "label": label_of(variant, density), "density": density,
-                                 "overrides": {**overrides, **options}})
+    for seed in args.seeds:
+        for workload in args.workloads:
+            runs += _workload_runs(args, seed, workload)
+    return runs
+
+
+def _workload_runs(args: argparse.Namespace, seed: int, workload: str) -> list[dict[str, Any]]:
+    steps = args.steps[workload]
+    longer = max(steps, round(steps * args.budget_factor))
+
+    def base(total: int) -> dict[str, Any]:
+        eval_at = sorted({*range(args.eval_every, total, args.eval_every), steps, total})
+        return {"workload": workload, "rep": 0, "seed": seed, "steps": total, "equal_steps": steps, "warmup": 0,
+                "eval": True, "eval_at": eval_at}
+
+    runs = []
+    for scheme in args.baselines:
+        runs.append({**base(steps if scheme == "ddp" else longer), "scheme": scheme, "label": label_of(scheme, None),
+                     "density": None})
+    for scheme in args.presets:
+        for density in args.densities:
+            overrides: dict[str, Any] = {"density": density}
+            if density < 0.01 and args.warmup_epochs > 0:
+                overrides["density_warmup_epochs"] = args.warmup_epochs
+            runs.append({**base(longer), "scheme": scheme, "label": label_of(scheme, density), "density": density,
+                         "overrides": overrides})
+            for name, options in args.variants.items():
+                variant = f"{scheme}+{name}"
+                runs.append({**base(longer), "scheme": scheme, "label": label_of(variant, density), "density": density,
+                             "overrides": {**overrides, **options}})
     return runs
 
 
@@ -99,9 +117,10 @@ def curve_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         seconds = run.get("step_seconds") or []
         for point in run.get("eval_curve") or []:
             rows.append({
-                "world": run["world"], "rate": run["phase"], "workload": run["workload"], "label": run["label"],
-                "scheme": run["scheme"], "density": run.get("density") or "", "step": point["step"],
-                "seconds": sum(seconds[: point["step"]]), "val_loss": point["val_loss"], "val_acc": point["val_acc"],
+                "world": run["world"], "rate": run["phase"], "workload": run["workload"], "seed": run.get("seed", 0),
+                "label": run["label"], "scheme": run["scheme"], "density": run.get("density") or "",
+                "step": point["step"], "seconds": sum(seconds[: point["step"]]), "val_loss": point["val_loss"],
+                "val_acc": point["val_acc"], "equal_steps": run.get("equal_steps", run["steps"]),
             })
     return rows
 
@@ -111,20 +130,25 @@ def _reached(value: float, target: float, larger_is_better: bool) -> bool:
 
 
 def time_to_accuracy(curve: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (P, link, workload, seed) and scheme: time and steps to DDP's final value over the whole
+    curve, and the comparisons with DDP at equal steps (DDP's steps)."""
     groups: dict[tuple, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for row in curve:
-        groups[(int(row["world"]), row["rate"], row["workload"])][row["label"]].append(row)
+        groups[(int(row["world"]), row["rate"], row["workload"], int(row["seed"]))][row["label"]].append(row)
     step_ms = {
-        (r["world"], r["phase"], r["workload"], r["label"]): 1e3 * sorted(r["step_seconds"])[len(r["step_seconds"]) // 2]
+        (r["world"], r["phase"], r["workload"], r.get("seed", 0), r["label"]):
+            1e3 * sorted(r["step_seconds"])[len(r["step_seconds"]) // 2]
         for r in runs if not r.get("error") and r.get("step_seconds")
     }
     table = []
-    for (world, rate, workload), by_label in sorted(groups.items(), key=lambda kv: (kv[0][0], -rate_mbit(kv[0][1]), kv[0][2])):
+    for key, by_label in sorted(groups.items(), key=lambda kv: (kv[0][0], -rate_mbit(kv[0][1]), kv[0][2], kv[0][3])):
+        world, rate, workload, seed = key
         metric, larger = TARGET_METRIC.get(workload, ("val_acc", True))
         ddp = sorted(by_label.get("ddp", []), key=lambda r: int(r["step"]))
         if not ddp:
             continue
         target = float(ddp[-1][metric])
+        equal_steps = int(ddp[-1]["step"])
         reached: dict[str, tuple[int, float] | None] = {}
         for label, points in by_label.items():
             points.sort(key=lambda r: int(r["step"]))
@@ -134,27 +158,60 @@ def time_to_accuracy(curve: list[dict[str, Any]], runs: list[dict[str, Any]]) ->
         powersgd = [reached[s][1] for s in POWERSGD if reached.get(s)]
         best_powersgd = min(powersgd) if powersgd else None
         for label, points in sorted(by_label.items(), key=lambda kv: _label_order(kv[0])):
-            final = float(points[-1][metric])
-            quarter = int(points[-1]["step"]) / 4
+            equal = [p for p in points if int(p["step"]) <= equal_steps]
+            last = equal[-1]
+            final = float(last[metric])
             # accuracy (next-token accuracy for the LM) in points against DDP's at the same step
+            at_ddp = {int(d["step"]): float(d["val_acc"]) for d in ddp}
             gaps = [
-                100 * (float(p["val_acc"]) - float(d["val_acc"]))
-                for p, d in zip(points, ddp) if int(p["step"]) >= quarter and p["step"] == d["step"]
+                100 * (float(p["val_acc"]) - at_ddp[int(p["step"])])
+                for p in equal if int(p["step"]) >= equal_steps / 4 and int(p["step"]) in at_ddp
             ]
             hit = reached[label]
             table.append({
-                "world": world, "rate": rate, "workload": workload, "label": label, "metric": metric, "target": target,
-                "steps_to_target": hit[0] if hit else None, "seconds_to_target": hit[1] if hit else None,
+                "world": world, "rate": rate, "workload": workload, "seed": seed, "label": label, "metric": metric,
+                "target": target, "steps_to_target": hit[0] if hit else None,
+                "seconds_to_target": hit[1] if hit else None,
                 "x_ddp": ddp_time / hit[1] if hit and ddp_time and hit[1] > 0 else None,
                 "x_best_powersgd": best_powersgd / hit[1] if hit and best_powersgd and hit[1] > 0 else None,
-                "final": final, "final_minus_ddp": (final - float(ddp[-1][metric])) * (1 if larger else -1),
-                "final_acc": float(points[-1]["val_acc"]),
-                "acc_minus_ddp": 100 * (float(points[-1]["val_acc"]) - float(ddp[-1]["val_acc"])),
+                "final": final, "final_minus_ddp": (final - target) * (1 if larger else -1),
+                "final_acc": float(last["val_acc"]),
+                "acc_minus_ddp": 100 * (float(last["val_acc"]) - float(ddp[-1]["val_acc"])),
                 "worst_gap_from_quarter": min(gaps) if gaps else None,
-                "step_ms": step_ms.get((world, rate, workload, label)),
+                "step_ms": step_ms.get((world, rate, workload, seed, label)),
+                "steps_run": int(points[-1]["step"]),
                 "total_seconds": float(points[-1]["seconds"]),
             })
     return table
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def across_seeds(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (P, link, workload) and scheme, the medians over seeds. A seed whose run did not reach
+    the target counts as a speed-up of 0, so a median speed-up exists only where most seeds reached it."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for row in table:
+        groups[(row["world"], row["rate"], row["workload"], row["label"])].append(row)
+    rows = []
+    for (world, rate, workload, label), seeds in groups.items():
+        speedups = {field: [row[field] or 0.0 for row in seeds] for field in ("x_ddp", "x_best_powersgd")}
+        reached = [row for row in seeds if row["steps_to_target"] is not None]
+        gaps = [row["worst_gap_from_quarter"] for row in seeds if row["worst_gap_from_quarter"] is not None]
+        rows.append({
+            "world": world, "rate": rate, "workload": workload, "label": label, "metric": seeds[0]["metric"],
+            "seeds": len(seeds), "reached": len(reached),
+            "steps_to_target": _median([row["steps_to_target"] for row in reached]),
+            **{field: _median(values) or None for field, values in speedups.items()},
+            **{f"{field}_per_seed": values for field, values in speedups.items()},
+            "acc_minus_ddp": _median([row["acc_minus_ddp"] for row in seeds]),
+            "final_minus_ddp": _median([row["final_minus_ddp"] for row in seeds]),
+            "worst_gap_from_quarter": _median(gaps),
+            "step_ms": _median([row["step_ms"] for row in seeds if row["step_ms"] is not None]),
+        })
+    return rows
 
 
 def _label_order(label: str) -> tuple[int, str]:
@@ -164,14 +221,15 @@ def _label_order(label: str) -> tuple[int, str]:
 
 
 def targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets, checked on every (P, link, workload) the table has."""
+    """The issue's targets, checked on every (P, link, workload) of ``across_seeds``'s medians."""
     rows = []
     for row in table:
         scheme, _, density = row["label"].partition("@")
         scheme = scheme.split("+")[0]  # a variant counts as its preset
         if scheme not in PRESETS:
             continue
-        key = f"P={row['world']} {rate_label(row['rate'])} {row['workload']} {row['label']}"
+        seeds = f", median of {row['seeds']} seeds" if row["seeds"] > 1 else ""
+        key = f"P={row['world']} {rate_label(row['rate'])} {row['workload']} {row['label']}{seeds}"
         if density == "1%" and row["worst_gap_from_quarter"] is not None:
             gap = row["worst_gap_from_quarter"]
             rows.append({"check": "within 0.3 points of DDP at every evaluation from a quarter on", "case": key,
@@ -193,19 +251,50 @@ def _dash(value: Any, spec: str) -> str:
     return cell(value, spec, empty="-")
 
 
-def markdown(table: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
+def _cases(rows: list[dict[str, Any]], *fields: str) -> list[tuple]:
+    return sorted({tuple(r[f] for f in fields) for r in rows}, key=lambda k: (k[2], k[0], -rate_mbit(k[1]), *k[3:]))
+
+
+def _speedups(values: list[float]) -> str:
+    return ", ".join(f"{v:.2f}" if v else "-" for v in values)
+
+
+def markdown(table: list[dict[str, Any]], summary: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
     lines = []
-    for key in sorted({(r["world"], r["rate"], r["workload"]) for r in table}, key=lambda k: (k[2], k[0], -rate_mbit(k[1]))):
-        rows = [r for r in table if (r["world"], r["rate"], r["workload"]) == key]
+    if any(r["seeds"] > 1 for r in summary):
+        for key in _cases(summary, "world", "rate", "workload"):
+            rows = sorted((r for r in summary if (r["world"], r["rate"], r["workload"]) == key),
+                          key=lambda r: _label_order(r["label"]))
+            lines += [
+                f"#### {key[2]}, P = {key[0]}, link {rate_label(key[1])}: medians over {rows[0]['seeds']} seeds "
+                "(each seed's target is its own DDP's final value)",
+                "",
+                "| scheme | seeds at target | steps to target | x DDP | x DDP per seed | x best PowerSGD | "
+                "x best PowerSGD per seed | accuracy - DDP's at equal steps (points) | worst accuracy gap from 1/4 on "
+                "(points) | step (ms) |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in rows:
+                lines.append(
+                    f"| {r['label']} | {r['reached']} of {r['seeds']} | {_dash(r['steps_to_target'], '{:.0f}')} | "
+                    f"{_dash(r['x_ddp'], '{:.2f}')} | {_speedups(r['x_ddp_per_seed'])} | "
+                    f"{_dash(r['x_best_powersgd'], '{:.2f}')} | {_speedups(r['x_best_powersgd_per_seed'])} | "
+                    f"{r['acc_minus_ddp']:+.2f} | {_dash(r['worst_gap_from_quarter'], '{:+.2f}')} | "
+                    f"{_dash(r['step_ms'], '{:.0f}')} |"
+                )
+            lines.append("")
+    for key in _cases(table, "world", "rate", "workload", "seed"):
+        rows = [r for r in table if (r["world"], r["rate"], r["workload"], r["seed"]) == key]
         metric = rows[0]["metric"]
         scale, unit = (100.0, "%") if metric == "val_acc" else (1.0, "")
         lines += [
-            f"#### {key[2]}, P = {key[0]}, link {rate_label(key[1])}: target = DDP's final {metric} "
+            f"#### {key[2]}, P = {key[0]}, link {rate_label(key[1])}, seed {key[3]}: target = DDP's final {metric} "
             f"{rows[0]['target'] * scale:.2f}{unit}",
             "",
-            "| scheme | steps to target | time to target (s) | x DDP | x best PowerSGD | final | final - DDP | "
-            "accuracy - DDP's at the end (points) | worst accuracy gap from 1/4 on (points) | step (ms) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| scheme | steps to target | time to target (s) | x DDP | x best PowerSGD | final at DDP's steps | "
+            "final - DDP | accuracy - DDP's at equal steps (points) | worst accuracy gap from 1/4 on (points) | "
+            "step (ms) | steps run |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
@@ -213,7 +302,7 @@ def markdown(table: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
                 f"{_dash(r['x_ddp'], '{:.2f}')} | {_dash(r['x_best_powersgd'], '{:.2f}')} | "
                 f"{r['final'] * scale:.2f}{unit} | {r['final_minus_ddp'] * scale:+.2f} | {r['acc_minus_ddp']:+.2f} | "
                 f"{_dash(r['worst_gap_from_quarter'], '{:+.2f}')} | "
-                f"{_dash(r['step_ms'], '{:.0f}')} |"
+                f"{_dash(r['step_ms'], '{:.0f}')} | {r['steps_run']} |"
             )
         lines.append("")
     if checks:
@@ -225,18 +314,20 @@ def markdown(table: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
 
 
 def plot(curve: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
-    """Per workload: validation accuracy (loss for the LM) against wall-clock time, one panel per (P, link)."""
+    """Per workload: validation accuracy (loss for the LM) against wall-clock time, one panel per
+    (P, link, seed), with DDP's final value (the target) as a dotted line."""
     plt = pyplot()
     paths = []
     for workload in sorted({r["workload"] for r in curve}):
         rows = [r for r in curve if r["workload"] == workload]
         metric, _ = TARGET_METRIC.get(workload, ("val_acc", True))
-        panels = sorted({(int(r["world"]), r["rate"]) for r in rows}, key=lambda k: (k[0], -rate_mbit(k[1])))
+        panels = sorted({(int(r["world"]), r["rate"], int(r["seed"])) for r in rows},
+                        key=lambda k: (k[0], -rate_mbit(k[1]), k[2]))
         fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.4), squeeze=False)
-        for ax, (world, rate) in zip(axes[0], panels):
+        for ax, (world, rate, seed) in zip(axes[0], panels):
             series: dict[str, list[tuple[float, float]]] = defaultdict(list)
             for r in rows:
-                if (int(r["world"]), r["rate"]) == (world, rate):
+                if (int(r["world"]), r["rate"], int(r["seed"])) == (world, rate, seed):
                     value = float(r[metric]) * (100 if metric == "val_acc" else 1)
                     series[r["label"]].append((float(r["seconds"]), value))
             for label, points in sorted(series.items(), key=lambda kv: _label_order(kv[0])):
@@ -246,9 +337,11 @@ def plot(curve: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
                 width = 2.6 if scheme in ("ddp", "ssfusion") else 1.2
                 ax.plot([x for x, _ in points], [y for _, y in points], style, marker="o", markersize=2.5, linewidth=width,
                         label=label)
+            if series.get("ddp"):
+                ax.axhline(max(series["ddp"])[1], color="black", linestyle=":", linewidth=1, label="target (DDP's final)")
             ax.set_xlabel("wall-clock seconds (evaluation excluded)")
             ax.set_ylabel("validation accuracy, %" if metric == "val_acc" else "validation loss")
-            ax.set_title(f"{workload}, P = {world}, link {rate_label(rate)}")
+            ax.set_title(f"{workload}, P = {world}, link {rate_label(rate)}, seed {seed}")
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize=6.5, ncol=2)
         paths.append(save_figure(fig, out / f"{stem}_{workload}.png"))
@@ -260,8 +353,9 @@ def analyze(runs: list[dict[str, Any]], out: Path, stem: str, update: bool, meta
     write_csv(out / f"{stem}_curve.csv", CURVE_FIELDS, curve, cell=fmt)
     table = time_to_accuracy(curve, runs)
     write_csv(out / f"{stem}.csv", TTA_FIELDS, table, cell=fmt)
-    checks = targets(table)
-    text = markdown(table, checks)
+    summary = across_seeds(table)
+    checks = targets(summary)
+    text = markdown(table, summary, checks)
     failed = [f"{r['workload']} {r['label']} P={r['world']} {r['phase']}" for r in runs if r.get("error")]
     if failed:
         text += "\nFailed runs: " + ", ".join(failed) + "\n"
@@ -293,7 +387,11 @@ def main(argv: list[str] | None = None) -> int:
                              '\'{"dgc": {"memory": "dgc"}}\' adds the label ssfusion+dgc@1%%, ...')
     parser.add_argument("--steps", type=json.loads, default=None, help='steps per workload, JSON (e.g. \'{"digits": 120}\')')
     parser.add_argument("--eval-every", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", "--seed", type=int, nargs="+", default=[0],
+                        help="one full set of runs per seed; the tables give each seed and the medians over them")
+    parser.add_argument("--budget-factor", type=float, default=1.0,
+                        help="every scheme but DDP may run up to this many times DDP's steps to reach DDP's final "
+                             "value (the equal-steps columns still compare at DDP's steps)")
     parser.add_argument("--delay", default=None, help="one-way delay per node (e.g. 0.1ms)")
     parser.add_argument("--nice", type=int, default=-5)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per world size")

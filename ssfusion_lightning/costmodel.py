@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ssfusion_lightning.commcost import POSITION_BYTES, Link, ring_allreduce_bytes
+from ssfusion_lightning.commcost import POSITION_BYTES, BufferShape, Link, Links, buffer_seconds, ring_allreduce_bytes
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,14 @@ class CostProfile:
         """Allgather of ``count`` (value, position) pairs per rank: (P-1) * count pairs arrive."""
         p = self.world_size
         return self.allgather.seconds((p - 1) * count * (element_size + POSITION_BYTES)) if p > 1 else 0.0
+
+    def allgather_buffer_seconds(self, dense: int, sparse: int, sent: int, element_size: int) -> float:
+        """A buffer of ``dense`` + ``sparse`` elements, ``sent`` of them selected per rank, on the
+        allgather collectives (``allgather``, ``hybrid``, auto's allgather): the dense part rides
+        in the allgather's message while it is small (``commcost.dense_rides``), and pays an
+        all-reduce of its own otherwise."""
+        shape = BufferShape(dense, sparse, sent, element_size)
+        return buffer_seconds("allgather", shape, Links.measured(self.world_size, self.allreduce, self.allgather))
 
     def backward_seconds(self, name: str) -> float:
         return self.backward.get(name, 0.0)

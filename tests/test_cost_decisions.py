@@ -63,40 +63,57 @@ def test_the_formulas_the_hand_computations_rely_on():
 # tensor size; tensors with n <= tau go dense. Budget: dense elements F <= density * T; a candidate
 # over the budget ends the search. The sparse tensors keep the requested density.
 #
+# The buffer's communication is the allgather collectives': a dense part with F * 4 <= k * 8 bytes
+# rides in the allgather's message (every candidate pays a_g once, and no all-reduce), a larger one
+# pays an all-reduce of its own, a_r + b_r * 4F.
+#
 # density 0.1 (budget 103 elements), b_r = b_g = 1 ns/B, compression c = compress_fixed, no per-element
-# cost, allgather alpha a_g (every candidate pays it once), allreduce alpha a_r:
-#   tau = 0:    F = 0;  k = 1 + 2 + 100 = 103       3c + a_g + 8 * 103 ns                = 3c + a_g + 0.824 us
-#   tau = 10:   F = 10; k = 2 + 100 = 102          2c + a_r + 4 * 10 ns + a_g + 8 * 102 ns = 2c + a_r + a_g + 0.856 us
-#   tau = 20:   F = 30; k = 100                    c + a_r + 4 * 30 ns + a_g + 8 * 100 ns  = c + a_r + a_g + 0.920 us
+# cost:
+#   tau = 0:    F = 0;  k = 1 + 2 + 100 = 103       3c + a_g + 8 * 103 ns           = 3c + a_g + 0.824 us
+#   tau = 10:   F = 10; k = 102; 40 B <= 816 B      2c + a_g + (8 * 102 + 4 * 10) ns = 2c + a_g + 0.856 us
+#   tau = 20:   F = 30; k = 100; 120 B <= 800 B     c + a_g + (8 * 100 + 4 * 30) ns  = c + a_g + 0.920 us
 #   tau = 1000: F = 1030 > 103, over the budget.
-# tau = 20 beats tau = 10 whenever c > 0.064 us. tau = 20 beats tau = 0 when
-#   c + a_r + 0.920 < 3c + 0.824  <=>  a_r < 2c - 0.096 us.
+# tau = 10 beats tau = 0 iff c > 0.032 us, tau = 20 beats tau = 10 iff c > 0.064 us (and tau = 0 iff
+# c > 0.048 us): tau = 0 below c = 0.032, tau = 10 up to 0.064, tau = 20 above. a_r never enters.
 SELECTIVE_BUFFER = specs(10, 20, 1000)
 
 
 @pytest.mark.parametrize(
-    ("compress_us", "allreduce_alpha_us", "tau", "sparse_density"),
+    ("compress_us", "tau"),
     [
-        # flip in the compression cost at a_r = 50 us: tau = 20 iff 50 < 2c - 0.096 <=> c > 25.048 us
-        (24.0, 50.0, 0, 0.1),  # 3 * 24 + 0.824 = 72.824  <  24 + 50 + 0.920 = 74.920
-        (26.0, 50.0, 20, 0.1),  # 3 * 26 + 0.824 = 78.824  >  26 + 50 + 0.920 = 76.920
-        # flip in the allreduce latency at c = 30 us: tau = 20 iff a_r < 59.904 us
-        (30.0, 59.8, 20, 0.1),  # 90.824 > 30 + 59.8 + 0.920 = 90.720
-        (30.0, 60.0, 0, 0.1),  # 90.824 < 30 + 60 + 0.920 = 90.920
+        (0.030, 0),  # 0.914 < 0.916 (tau = 10) < 0.950 (tau = 20)
+        (0.040, 10),  # 0.936 < 0.944 (tau = 0), 0.960 (tau = 20)
+        (0.070, 20),  # 0.990 < 0.996 (tau = 10) < 1.034 (tau = 0)
     ],
 )
-def test_selective_threshold_at_hand_computed_points(compress_us, allreduce_alpha_us, tau, sparse_density):
+@pytest.mark.parametrize("allreduce_alpha_us", [0.0, 1e6])
+def test_selective_threshold_at_hand_computed_points(compress_us, tau, allreduce_alpha_us):
     costs = profile(compress_fixed_us=compress_us, allreduce_alpha_us=allreduce_alpha_us, allgather_alpha_us=50)
     chosen_tau, chosen_density = choose_threshold(SELECTIVE_BUFFER, 0.1, costs, build_sparsifier("topk", density=0.1))
     assert chosen_tau == tau
-    assert chosen_density == pytest.approx(sparse_density)
+    assert chosen_density == pytest.approx(0.1)
+
+
+# float64 tensors of 48 and 60 elements (8-byte values, 12-byte pairs), density 0.5 (budget 54):
+#   tau = 0:   F = 0;  k = 24 + 30 = 54                2c + a_g + 12 * 54 ns                      = 2c + a_g + 0.648 us
+#   tau = 48:  F = 48; k = 30; 384 B > 360 B: no ride  c + a_r + 8 * 48 ns + a_g + 12 * 30 ns      = c + a_r + a_g + 0.744 us
+#   tau = 60:  F = 108 > 54, over the budget.
+# tau = 48 iff c + a_r + 0.744 < 2c + 0.648  <=>  a_r < c - 0.096 us: at c = 50 us the flip is at a_r = 49.904 us.
+LARGE_DENSE_PART = [(0, ParamSpec("p0", (48,), torch.float64)), (1, ParamSpec("p1", (60,), torch.float64))]
+
+
+@pytest.mark.parametrize(("allreduce_alpha_us", "tau"), [(49.8, 48), (50.0, 0)])
+def test_selective_threshold_pays_an_allreduce_for_a_dense_part_too_large_to_ride(allreduce_alpha_us, tau):
+    costs = profile(compress_fixed_us=50, allreduce_alpha_us=allreduce_alpha_us, allgather_alpha_us=50)
+    chosen_tau, _ = choose_threshold(LARGE_DENSE_PART, 0.5, costs, build_sparsifier("topk", density=0.5))
+    assert chosen_tau == tau
 
 
 def test_selective_volume_neutral_option_lowers_the_sparse_density():
     # The opt-in earlier rule: the sparse tensors get (density * T - F) / (T - F), so the buffer
-    # sends about density * T elements. At c = 26, a_r = 50 it picks tau = 20 (F = 30):
+    # sends about density * T elements. At c = 26 it picks tau = 20 (F = 30, riding):
     #   tau = 0:  3 * 26 + a_g + 0.824 = 78.824 + a_g
-    #   tau = 20: 26 + 50 + 0.120 + a_g + 8 * 73 ns = 76.704 + a_g   (k = floor(73 / 1000 * 1000))
+    #   tau = 20: 26 + a_g + 0.120 + 8 * 73 ns = 26.704 + a_g   (k = floor(73 / 1000 * 1000))
     costs = profile(compress_fixed_us=26, allreduce_alpha_us=50, allgather_alpha_us=50)
     topk = build_sparsifier("topk", density=0.1)
     assert choose_threshold(SELECTIVE_BUFFER, 0.1, costs, topk, volume_neutral=True) == (20, pytest.approx(0.073))
@@ -110,22 +127,22 @@ def test_selective_volume_neutral_option_lowers_the_sparse_density():
 def test_selective_threshold_stops_at_the_dense_budget():
     # density 0.01: budget 10.3 elements. tau = 20 (F = 30) is over it, so however expensive the
     # compression (c = 1000 us) the best allowed candidate is tau = 10 (F = 10):
-    #   tau = 0:  3c + a_g + 8 * (1 + 1 + 10) ns            = 3000 + a_g + 0.096 us
-    #   tau = 10: 2c + a_r + 0.040 + a_g + 8 * (1 + 10) ns  = 2000 + 50 + a_g + 0.128 us   <- least
+    #   tau = 0:  3c + a_g + 8 * (1 + 1 + 10) ns      = 3000 + a_g + 0.096 us
+    #   tau = 10: 2c + a_g + (40 + 8 * (1 + 10)) ns   = 2000 + a_g + 0.128 us   <- least (40 B ride)
     # and the sparse tensors keep density 0.01
     costs = profile(compress_fixed_us=1000, allreduce_alpha_us=50, allgather_alpha_us=50)
     tau, density = choose_threshold(SELECTIVE_BUFFER, 0.01, costs, build_sparsifier("topk", density=0.01))
     assert tau == 10
     assert density == 0.01
-    # with density 0.03 (budget 30.9) tau = 20 is allowed and wins: c + a_r + 0.120 + a_g + 8 * 30 ns
+    # with density 0.03 (budget 30.9) tau = 20 is allowed and wins: c + a_g + (120 + 8 * 30) ns
     tau, density = choose_threshold(SELECTIVE_BUFFER, 0.03, costs, build_sparsifier("topk", density=0.03))
     assert tau == 20
     assert density == 0.03
 
 
 def test_selective_plan_applies_the_threshold():
-    # The policy cuts one buffer (cap 1 MB) and plans it with choose_threshold's answer (c = 26 us,
-    # a_r = 50 us: tau = 20, as in the second case above): p0, p1 dense, p2 sparse with
+    # The policy cuts one buffer (cap 1 MB) and plans it with choose_threshold's answer (c = 26 us:
+    # tau = 20, as above for any c > 0.064 us): p0, p1 dense, p2 sparse with
     # k = floor(0.1 * 1000) = 100.
     costs = profile(compress_fixed_us=26, allreduce_alpha_us=50, allgather_alpha_us=50)
     ctx = PlanContext(build_sparsifier("topk", density=0.1), 1 << 20, 1, 2, costs)

@@ -5,6 +5,11 @@ indices), larger ones sparse. tau_g is chosen among the buffer's tensor sizes to
 modelled time sum T_compress(sparse tensors) + T_comm(buffer) (T_bp is the same for every choice)
 under the budget "dense elements F <= density * T", which bounds the extra bytes.
 
+T_comm is what the allgather collectives the policy's presets use do with the buffer: within the
+budget the dense part is small enough to ride in the allgather's message (``commcost.dense_rides``),
+so it costs its bytes and no all-reduce latency of its own. Small tensors then go dense wherever
+their selection costs more than their bytes, which also spares them the residual's delay.
+
 The sparse tensors keep the requested density. ``volume_neutral=True`` restores an earlier rule,
 density (density*T - F) / (T - F) for the sparse tensors, so that the buffer sends about density*T
 elements in all: it starves the large tensors (on resnet18, 325 elements over 694,784 parameters,
@@ -35,10 +40,8 @@ def choose_threshold(
         sparse_density = (density * total - dense) / (total - dense) if neutral else density
         sparse = [spec for _, spec in items if spec.numel > tau]
         sent = sum(planned_k(sparsifier, spec, max(sparse_density, 1e-12)) for spec in sparse)
-        seconds = (
-            sum(costs.compress_seconds(spec.numel) for spec in sparse)
-            + costs.dense_seconds(dense, element)
-            + costs.sparse_seconds(sent, element)
+        seconds = sum(costs.compress_seconds(spec.numel) for spec in sparse) + costs.allgather_buffer_seconds(
+            dense, total - dense, sent, element
         )
         if best is None or seconds < best[0]:
             best = (seconds, tau, sparse_density)

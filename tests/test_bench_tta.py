@@ -1,0 +1,78 @@
+"""experiments/bench_tta.py's analysis on hand-made runs: time to DDP's final value over a longer
+budget, the equal-steps comparison at DDP's steps, and the medians over seeds."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from experiments import bench_tta
+
+
+def run(label: str, seed: int, accuracies: list[float], step_seconds: float, every: int = 10) -> dict:
+    """One finished run with an evaluation every ``every`` steps and constant step times."""
+    steps = every * len(accuracies)
+    return {
+        "world": 4, "phase": "40mbit", "workload": "digits", "seed": seed, "label": label, "scheme": label.split("@")[0],
+        "density": 0.01 if "@" in label else None, "steps": steps, "equal_steps": 30,
+        "step_seconds": [step_seconds] * steps,
+        "eval_curve": [{"step": every * (i + 1), "val_loss": 1 - a, "val_acc": a} for i, a in enumerate(accuracies)],
+    }
+
+
+def analyse(runs: list[dict]) -> tuple[list[dict], list[dict]]:
+    table = bench_tta.time_to_accuracy(bench_tta.curve_rows(runs), runs)
+    return table, bench_tta.across_seeds(table)
+
+
+def test_a_scheme_with_faster_steps_may_reach_the_target_after_ddps_steps():
+    # DDP: 30 steps of 1 s, final 0.9 (the target). ssfusion: 0.25 s steps, 0.9 first at step 50:
+    # 12.5 s against DDP's 30 s. At DDP's 30 steps it had 0.8: the equal-steps columns say so.
+    runs = [run("ddp", 0, [0.5, 0.8, 0.9], 1.0), run("ssfusion@1%", 0, [0.4, 0.7, 0.8, 0.85, 0.9, 0.95], 0.25)]
+    table, _ = analyse(runs)
+    ssfusion = next(r for r in table if r["label"] == "ssfusion@1%")
+    assert (ssfusion["steps_to_target"], ssfusion["seconds_to_target"]) == (50, 12.5)
+    assert ssfusion["x_ddp"] == pytest.approx(30 / 12.5)
+    assert ssfusion["final_acc"] == 0.8
+    assert ssfusion["acc_minus_ddp"] == pytest.approx(-10.0)
+    # gaps from a quarter of DDP's 30 steps on, at DDP's evaluation points only: -10, -10 and -10
+    assert ssfusion["worst_gap_from_quarter"] == pytest.approx(-10.0)
+    assert ssfusion["steps_run"] == 60
+
+
+def test_medians_over_seeds_count_a_seed_that_missed_the_target_as_no_speed_up():
+    runs = [run("ddp", seed, [0.5, 0.8, 0.9], 1.0) for seed in (0, 1, 2)]
+    runs += [
+        run("ssfusion@1%", 0, [0.6, 0.9, 0.9], 0.5),  # 20 steps, 10 s: 3x
+        run("ssfusion@1%", 1, [0.6, 0.7, 0.8], 0.5),  # never: 0
+        run("ssfusion@1%", 2, [0.9, 0.9, 0.9], 0.5),  # 10 steps, 5 s: 6x
+    ]
+    _, summary = analyse(runs)
+    ssfusion = next(r for r in summary if r["label"] == "ssfusion@1%")
+    assert (ssfusion["seeds"], ssfusion["reached"]) == (3, 2)
+    assert ssfusion["x_ddp_per_seed"] == [pytest.approx(3.0), 0.0, pytest.approx(6.0)]
+    assert ssfusion["x_ddp"] == pytest.approx(3.0)
+    assert ssfusion["steps_to_target"] == 15
+    checks = {c["check"]: c for c in bench_tta.targets(summary)}
+    assert checks["time to DDP's accuracy: x_ddp >= 3.0"]["met"]
+    # a majority of misses leaves no median speed-up
+    runs[3] = run("ssfusion@1%", 0, [0.6, 0.7, 0.8], 0.5)
+    _, summary = analyse(runs)
+    assert next(r for r in summary if r["label"] == "ssfusion@1%")["x_ddp"] is None
+
+
+def test_every_scheme_but_ddp_gets_the_longer_budget_and_an_evaluation_at_ddps_steps():
+    args = argparse.Namespace(
+        seeds=[0, 3], workloads=["digits"], steps={"digits": 25}, budget_factor=2.0, eval_every=10,
+        baselines=["ddp", "ddp_powersgd4"], presets=["ssfusion"], densities=[0.01], warmup_epochs=0.0,
+        variants={"ends": {"dense_params": ["*stem.*"]}},
+    )
+    runs = bench_tta.build_runs(args)
+    assert [(r["seed"], r["label"], r["steps"]) for r in runs] == [
+        (seed, label, steps) for seed in (0, 3) for label, steps in
+        (("ddp", 25), ("ddp_powersgd4", 50), ("ssfusion@1%", 50), ("ssfusion+ends@1%", 50))
+    ]
+    assert runs[0]["eval_at"] == [10, 20, 25]
+    assert runs[1]["eval_at"] == [10, 20, 25, 30, 40, 50]
+    assert all(r["equal_steps"] == 25 for r in runs)
