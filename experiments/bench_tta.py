@@ -52,6 +52,9 @@ from experiments.common import (
 
 DDP_BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd4")
 POWERSGD = ("ddp_powersgd", "ddp_powersgd4")
+#: the step-time floor (``--floor``): the same training with no gradient exchange but one 1-element
+#: all-reduce per step; it only times steps (its ranks' models drift apart, so it is not evaluated)
+FLOOR = "compute_sync"
 PRESETS = ("ssfusion", "safusion", "adtopk", "zen", "oktopk")
 DENSITIES = (0.01, 0.001)
 #: what "accuracy" means per workload kind: the metric, and whether larger is better
@@ -61,7 +64,7 @@ CURVE_FIELDS = ["world", "rate", "workload", "seed", "label", "scheme", "density
 TTA_FIELDS = [
     "world", "rate", "workload", "seed", "label", "metric", "target", "steps_to_target", "seconds_to_target", "x_ddp",
     "x_best_powersgd", "final", "final_minus_ddp", "final_acc", "acc_minus_ddp", "worst_gap_from_quarter", "step_ms",
-    "steps_run", "total_seconds",
+    "of_floor", "steps_run", "total_seconds",
 ]
 
 
@@ -90,6 +93,8 @@ def _workload_runs(args: argparse.Namespace, seed: int, workload: str) -> list[d
                 "eval": True, "eval_at": eval_at}
 
     runs = []
+    if args.floor:
+        runs.append({**base(steps), "scheme": FLOOR, "label": FLOOR, "density": None, "eval": False, "eval_at": []})
     for scheme in args.baselines:
         runs.append({**base(steps if scheme == "ddp" else longer), "scheme": scheme, "label": label_of(scheme, None),
                      "density": None})
@@ -154,6 +159,7 @@ def time_to_accuracy(curve: list[dict[str, Any]], runs: list[dict[str, Any]]) ->
             points.sort(key=lambda r: int(r["step"]))
             hit = next((p for p in points if _reached(float(p[metric]), target, larger)), None)
             reached[label] = (int(hit["step"]), float(hit["seconds"])) if hit else None
+        floor_ms = step_ms.get((world, rate, workload, seed, FLOOR))
         ddp_time = reached["ddp"][1] if reached.get("ddp") else None
         powersgd = [reached[s][1] for s in POWERSGD if reached.get(s)]
         best_powersgd = min(powersgd) if powersgd else None
@@ -179,6 +185,8 @@ def time_to_accuracy(curve: list[dict[str, Any]], runs: list[dict[str, Any]]) ->
                 "acc_minus_ddp": 100 * (float(last["val_acc"]) - float(ddp[-1]["val_acc"])),
                 "worst_gap_from_quarter": min(gaps) if gaps else None,
                 "step_ms": step_ms.get((world, rate, workload, seed, label)),
+                "of_floor": step_ms[(world, rate, workload, seed, label)] / floor_ms
+                if floor_ms and (world, rate, workload, seed, label) in step_ms else None,
                 "steps_run": int(points[-1]["step"]),
                 "total_seconds": float(points[-1]["seconds"]),
             })
@@ -210,6 +218,7 @@ def across_seeds(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "final_minus_ddp": _median([row["final_minus_ddp"] for row in seeds]),
             "worst_gap_from_quarter": _median(gaps),
             "step_ms": _median([row["step_ms"] for row in seeds if row["step_ms"] is not None]),
+            "of_floor": _median([row["of_floor"] for row in seeds if row["of_floor"] is not None]),
         })
     return rows
 
@@ -271,8 +280,8 @@ def markdown(table: list[dict[str, Any]], summary: list[dict[str, Any]], checks:
                 "",
                 "| scheme | seeds at target | steps to target | x DDP | x DDP per seed | x best PowerSGD | "
                 "x best PowerSGD per seed | accuracy - DDP's at equal steps (points) | worst accuracy gap from 1/4 on "
-                "(points) | step (ms) |",
-                "|---|---|---|---|---|---|---|---|---|---|",
+                "(points) | step (ms) | step / compute-only's |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for r in rows:
                 lines.append(
@@ -280,7 +289,7 @@ def markdown(table: list[dict[str, Any]], summary: list[dict[str, Any]], checks:
                     f"{_dash(r['x_ddp'], '{:.2f}')} | {_speedups(r['x_ddp_per_seed'])} | "
                     f"{_dash(r['x_best_powersgd'], '{:.2f}')} | {_speedups(r['x_best_powersgd_per_seed'])} | "
                     f"{r['acc_minus_ddp']:+.2f} | {_dash(r['worst_gap_from_quarter'], '{:+.2f}')} | "
-                    f"{_dash(r['step_ms'], '{:.0f}')} |"
+                    f"{_dash(r['step_ms'], '{:.0f}')} | {_dash(r['of_floor'], '{:.2f}')} |"
                 )
             lines.append("")
     for key in _cases(table, "world", "rate", "workload", "seed"):
@@ -293,8 +302,8 @@ def markdown(table: list[dict[str, Any]], summary: list[dict[str, Any]], checks:
             "",
             "| scheme | steps to target | time to target (s) | x DDP | x best PowerSGD | final at DDP's steps | "
             "final - DDP | accuracy - DDP's at equal steps (points) | worst accuracy gap from 1/4 on (points) | "
-            "step (ms) | steps run |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "step (ms) | step / compute-only's | steps run |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
@@ -302,7 +311,7 @@ def markdown(table: list[dict[str, Any]], summary: list[dict[str, Any]], checks:
                 f"{_dash(r['x_ddp'], '{:.2f}')} | {_dash(r['x_best_powersgd'], '{:.2f}')} | "
                 f"{r['final'] * scale:.2f}{unit} | {r['final_minus_ddp'] * scale:+.2f} | {r['acc_minus_ddp']:+.2f} | "
                 f"{_dash(r['worst_gap_from_quarter'], '{:+.2f}')} | "
-                f"{_dash(r['step_ms'], '{:.0f}')} | {r['steps_run']} |"
+                f"{_dash(r['step_ms'], '{:.0f}')} | {_dash(r['of_floor'], '{:.2f}')} | {r['steps_run']} |"
             )
         lines.append("")
     if checks:
@@ -389,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--seeds", "--seed", type=int, nargs="+", default=[0],
                         help="one full set of runs per seed; the tables give each seed and the medians over them")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the compute-only step (no gradient exchange) per seed: the step-time floor")
     parser.add_argument("--budget-factor", type=float, default=1.0,
                         help="every scheme but DDP may run up to this many times DDP's steps to reach DDP's final "
                              "value (the equal-steps columns still compare at DDP's steps)")

@@ -30,7 +30,9 @@ def test_a_scheme_with_faster_steps_may_reach_the_target_after_ddps_steps():
     # DDP: 30 steps of 1 s, final 0.9 (the target). ssfusion: 0.25 s steps, 0.9 first at step 50:
     # 12.5 s against DDP's 30 s. At DDP's 30 steps it had 0.8: the equal-steps columns say so.
     runs = [run("ddp", 0, [0.5, 0.8, 0.9], 1.0), run("ssfusion@1%", 0, [0.4, 0.7, 0.8, 0.85, 0.9, 0.95], 0.25)]
-    table, _ = analyse(runs)
+    floor = {**run(bench_tta.FLOOR, 0, [], 0.2), "steps": 30, "step_seconds": [0.2] * 30}
+    table, _ = analyse([floor, *runs])
+    assert {r["label"] for r in table} == {"ddp", "ssfusion@1%"}  # the floor only times steps
     ssfusion = next(r for r in table if r["label"] == "ssfusion@1%")
     assert (ssfusion["steps_to_target"], ssfusion["seconds_to_target"]) == (50, 12.5)
     assert ssfusion["x_ddp"] == pytest.approx(30 / 12.5)
@@ -39,6 +41,7 @@ def test_a_scheme_with_faster_steps_may_reach_the_target_after_ddps_steps():
     # gaps from a quarter of DDP's 30 steps on, at DDP's evaluation points only: -10, -10 and -10
     assert ssfusion["worst_gap_from_quarter"] == pytest.approx(-10.0)
     assert ssfusion["steps_run"] == 60
+    assert ssfusion["of_floor"] == pytest.approx(0.25 / 0.2)
 
 
 def test_medians_over_seeds_count_a_seed_that_missed_the_target_as_no_speed_up():
@@ -64,15 +67,16 @@ def test_medians_over_seeds_count_a_seed_that_missed_the_target_as_no_speed_up()
 
 def test_every_scheme_but_ddp_gets_the_longer_budget_and_an_evaluation_at_ddps_steps():
     args = argparse.Namespace(
-        seeds=[0, 3], workloads=["digits"], steps={"digits": 25}, budget_factor=2.0, eval_every=10,
+        seeds=[0, 3], workloads=["digits"], steps={"digits": 25}, budget_factor=2.0, eval_every=10, floor=True,
         baselines=["ddp", "ddp_powersgd4"], presets=["ssfusion"], densities=[0.01], warmup_epochs=0.0,
         variants={"ends": {"dense_params": ["*stem.*"]}},
     )
     runs = bench_tta.build_runs(args)
     assert [(r["seed"], r["label"], r["steps"]) for r in runs] == [
         (seed, label, steps) for seed in (0, 3) for label, steps in
-        (("ddp", 25), ("ddp_powersgd4", 50), ("ssfusion@1%", 50), ("ssfusion+ends@1%", 50))
+        (("compute_sync", 25), ("ddp", 25), ("ddp_powersgd4", 50), ("ssfusion@1%", 50), ("ssfusion+ends@1%", 50))
     ]
-    assert runs[0]["eval_at"] == [10, 20, 25]
-    assert runs[1]["eval_at"] == [10, 20, 25, 30, 40, 50]
+    assert (runs[0]["eval"], runs[0]["eval_at"]) == (False, [])
+    assert runs[1]["eval_at"] == [10, 20, 25]
+    assert runs[2]["eval_at"] == [10, 20, 25, 30, 40, 50]
     assert all(r["equal_steps"] == 25 for r in runs)
