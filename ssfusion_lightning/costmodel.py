@@ -148,16 +148,21 @@ class Profiler:
 def measure_link(
     collective: str, group: dist.ProcessGroup | None, device: torch.device, sizes=(1 << 10, 1 << 20), repeats: int = 3
 ) -> Link:
-    """Time ``collective`` at a small and a large message (bytes per rank, the first and last of
-    ``sizes``) and take alpha-beta as the line through the two medians: the latency from the small
-    one, the rate from the large one. A least-squares line through several sizes is led by the
-    largest and loses the latency (on the 40 Mbit/s emulated link at P = 4: alpha 0-1.6 ms
-    against 3.9 ms measured directly, changing run to run), and a token-bucket shaper or a
-    switch's buffers pass mid-size messages faster than the link's rate, which no line fits."""
+    """Time ``collective`` at a small and a large message and take alpha-beta as the line through
+    the two medians: the latency from the small one, the rate from the large one. ``sizes`` are the
+    bytes each rank moves over the link (the first and last are used), so the probe costs the same
+    at any P: an allgather's message per rank is size / (P - 1), an all-reduce's size P / 2(P - 1).
+    (With 1 MB per rank, an allgather probe moved (P - 1) MB: 3 MB per repeat at P = 4, 1.8 s of a
+    4-rank 40 Mbit/s run's first steps, and 255 MB at P = 256.)
+
+    A least-squares line through several sizes is led by the largest and loses the latency (on the
+    40 Mbit/s emulated link at P = 4: alpha 0-1.6 ms against 3.9 ms measured directly, changing run
+    to run), and a token-bucket shaper or a switch's buffers pass mid-size messages faster than the
+    link's rate, which no line fits."""
     world = dist.get_world_size(group)
     points = []
-    for nbytes in (sizes[0], sizes[-1]):
-        tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    for moved in (sizes[0], sizes[-1]):
+        tensor = torch.zeros(probe_elements(collective, moved, world), dtype=torch.float32, device=device)
         gathered = [torch.empty_like(tensor) for _ in range(world)]
         samples = []
         for _ in range(repeats):
@@ -171,9 +176,18 @@ def measure_link(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             samples.append(time.perf_counter() - start)
+        nbytes = 4 * tensor.numel()
         moved = ring_allreduce_bytes(nbytes, world) if collective == "allreduce" else (world - 1) * nbytes
         points.append((moved, sorted(samples)[len(samples) // 2]))
     return Link(*line_through(points[0], points[-1]))
+
+
+def probe_elements(collective: str, moved: int, world: int) -> int:
+    """float32 elements per rank of a ``collective`` probe in which every rank moves about
+    ``moved`` bytes over the link (at least one element)."""
+    peers = max(1, world - 1)
+    per_rank = moved * world / (2 * peers) if collective == "allreduce" else moved / peers
+    return max(1, round(per_rank / 4))
 
 
 def measure_serial_cpu(work_elements: int = 1 << 18, repeats: int = 5) -> float:

@@ -20,7 +20,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssfusion_lightning.costmodel import CostProfile, Link, Profiler, fit_line, fit_per_size_medians, line_through
+from ssfusion_lightning.commcost import ring_allreduce_bytes
+from ssfusion_lightning.costmodel import (
+    CostProfile,
+    Link,
+    Profiler,
+    fit_line,
+    fit_per_size_medians,
+    line_through,
+    probe_elements,
+)
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.fusion.adaptive import adaptive_boundaries
 from ssfusion_lightning.fusion.partial import sparse_decisions
@@ -325,3 +334,52 @@ def test_the_compression_line_keeps_the_selections_cost_when_a_rank_waits_for_it
 def test_a_line_never_goes_negative():
     assert line_through((1000.0, 5e-3), (10**6, 4e-3)) == (5e-3, 0.0)  # a slower small message: no negative rate
     assert line_through((1000.0, 1e-6), (10**6, 1.0)) == (0.0, pytest.approx(1e-6, rel=2e-3))  # no negative latency
+
+
+# --------------------------------------------------------------------------- measure_link: the probe's size
+@pytest.mark.parametrize("world", [2, 3, 4, 8, 64, 1024])
+@pytest.mark.parametrize("moved", [1 << 10, 1 << 20])
+def test_a_link_probe_moves_the_same_bytes_per_rank_at_any_world_size(world, moved):
+    # an allgather rank receives (P - 1) messages, a ring all-reduce moves 2(P - 1)/P of its tensor:
+    # the probe's tensor is sized so that either moves ``moved`` bytes, to within half an element
+    # per message, or sends one element where ``moved`` is less than one per peer
+    gather = 4 * probe_elements("allgather", moved, world)
+    reduce = 4 * probe_elements("allreduce", moved, world)
+    if moved >= 4 * (world - 1):
+        assert abs((world - 1) * gather - moved) <= 2 * (world - 1)
+    else:
+        assert gather == 4
+    assert abs(ring_allreduce_bytes(reduce, world) - moved) <= 4
+
+
+def probe_sizes() -> dict[str, list[int]]:
+    """Run measure_link for both collectives on this rank, recording each call's elements."""
+    import torch.distributed as dist
+
+    from ssfusion_lightning import costmodel
+
+    seen: dict[str, list[int]] = {"allreduce": [], "allgather": []}
+    real_reduce, real_gather = dist.all_reduce, dist.all_gather
+
+    def all_reduce(tensor, *args, **kwargs):
+        seen["allreduce"].append(tensor.numel())
+        return real_reduce(tensor, *args, **kwargs)
+
+    def all_gather(out, tensor, *args, **kwargs):
+        seen["allgather"].append(tensor.numel())
+        return real_gather(out, tensor, *args, **kwargs)
+
+    dist.all_reduce, dist.all_gather = all_reduce, all_gather
+    try:
+        links = {name: costmodel.measure_link(name, None, torch.device("cpu")) for name in seen}
+    finally:
+        dist.all_reduce, dist.all_gather = real_reduce, real_gather
+    assert all(link.alpha >= 0 and link.beta >= 0 for link in links.values())
+    return seen
+
+
+def test_measure_link_probes_with_the_sized_messages(pool4):
+    # P = 4: the 1 KB and 1 MB probes, 3 repeats each; an allgather rank sends a third of the bytes it moves
+    for seen in pool4.run(probe_sizes):
+        assert seen["allgather"] == [85] * 3 + [87381] * 3
+        assert seen["allreduce"] == [171] * 3 + [174763] * 3
