@@ -8,7 +8,7 @@ and 4) and every preset at density 1% and 0.1% (0.1% with DGC's density warm-up)
 Every run trains the workload's model from the seed and evaluates every rank's model on the whole
 validation split every ``--eval-every`` steps (that time is left out of the clock). Per (P, link,
 workload, seed) the target is dense DDP's final validation accuracy (or loss, for the language
-model) after the workload's steps. Every other scheme may run ``--budget-factor`` times as many
+model) after the workload's steps. Every other scheme may run ``--budget-factor`` (default 2) times as many
 steps: a time to accuracy must not stop a scheme with faster steps at DDP's step count. Per scheme
 the table gives the wall-clock time and the steps to reach the target (the first evaluation point
 at or past it, clock = the sum of the step times before it), the speed-up over DDP and over the
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="one full set of runs per seed; the tables give each seed and the medians over them")
     parser.add_argument("--floor", action="store_true",
                         help="also time the compute-only step (no gradient exchange) per seed: the step-time floor")
-    parser.add_argument("--budget-factor", type=float, default=1.0,
+    parser.add_argument("--budget-factor", type=float, default=2.0,
                         help="every scheme but DDP may run up to this many times DDP's steps to reach DDP's final "
                              "value (the equal-steps columns still compare at DDP's steps)")
     parser.add_argument("--delay", default=None, help="one-way delay per node (e.g. 0.1ms)")
