@@ -8,12 +8,13 @@ and 4) and every preset at density 1% and 0.1% (0.1% with DGC's density warm-up)
 Every run trains the workload's model from the seed and evaluates every rank's model on the whole
 validation split every ``--eval-every`` steps (that time is left out of the clock). Per (P, link,
 workload, seed) the target is dense DDP's final validation accuracy (or loss, for the language
-model) after the workload's steps. Every other scheme may run ``--budget-factor`` (default 2) times as many
-steps: a time to accuracy must not stop a scheme with faster steps at DDP's step count. Per scheme
-the table gives the wall-clock time and the steps to reach the target (the first evaluation point
-at or past it, clock = the sum of the step times before it), the speed-up over DDP and over the
-better PowerSGD, and the accuracy after DDP's steps. With ``--seeds`` the runs repeat per seed and
-a table of medians over the seeds comes first; the targets are checked on the medians. The real data sets ship inside packages (``pip install .[realdata]``); nothing is
+model) after the workload's steps. Every other scheme may run ``--budget-factor`` (default 2)
+times as many steps: a time to accuracy must not stop a scheme with faster steps at DDP's step
+count. Per scheme the table gives the wall-clock time and the steps to reach the target (the first
+evaluation point at or past it, clock = the sum of the step times before it), the speed-up over
+DDP and over the better PowerSGD, and the accuracy after DDP's steps. With ``--seeds`` the runs
+repeat per seed and a table of medians over the seeds comes first; the targets are checked on the
+medians. The real data sets ship inside packages (``pip install .[realdata]``); nothing is
 downloaded.
 
 Outputs under --out (default experiments/results): tta_raw.jsonl (every run), tta_curve.csv (every

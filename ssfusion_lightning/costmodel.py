@@ -152,7 +152,7 @@ def measure_link(
     the two medians: the latency from the small one, the rate from the large one. ``sizes`` are the
     bytes each rank moves over the link (the first and last are used), so the probe costs the same
     at any P: an allgather's message per rank is size / (P - 1), an all-reduce's size P / 2(P - 1).
-    (With 1 MB per rank, an allgather probe moved (P - 1) MB: 3 MB per repeat at P = 4, 1.8 s of a
+    (With 1 MB per rank, an allgather probe moved (P - 1) MB: 3 MB per repeat at P = 4, 1.7 s of a
     4-rank 40 Mbit/s run's first steps, and 255 MB at P = 256.)
 
     A least-squares line through several sizes is led by the largest and loses the latency (on the
@@ -161,8 +161,8 @@ def measure_link(
     link's rate, which no line fits."""
     world = dist.get_world_size(group)
     points = []
-    for moved in (sizes[0], sizes[-1]):
-        tensor = torch.zeros(probe_elements(collective, moved, world), dtype=torch.float32, device=device)
+    for size in (sizes[0], sizes[-1]):
+        tensor = torch.zeros(probe_elements(collective, size, world), dtype=torch.float32, device=device)
         gathered = [torch.empty_like(tensor) for _ in range(world)]
         samples = []
         for _ in range(repeats):

@@ -5,8 +5,8 @@ indices), larger ones sparse. tau_g is chosen among the buffer's tensor sizes to
 modelled time sum T_compress(sparse tensors) + T_comm(buffer) (T_bp is the same for every choice)
 under the budget "dense elements F <= density * T", which bounds the extra bytes.
 
-T_comm is what the allgather collectives the policy's presets use do with the buffer: within the
-budget the dense part is small enough to ride in the allgather's message (``commcost.dense_rides``),
+T_comm is what the allgather collectives (the ones the policy's presets use) do with the buffer:
+within the budget the dense part is small enough to ride in the allgather's message (``commcost.dense_rides``),
 so it costs its bytes and no all-reduce latency of its own. Small tensors then go dense wherever
 their selection costs more than their bytes, which also spares them the residual's delay.
 
