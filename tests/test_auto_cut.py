@@ -223,3 +223,21 @@ def test_auto_plans_are_identical_on_every_rank(pool3):
     results = pool3.run(auto_plan_run)
     assert all(measured for _, measured in results), "the auto cut profiles and agrees on costs"
     assert all(fingerprints == results[0][0] for fingerprints, _ in results)
+
+
+def test_the_cut_charges_a_small_dense_part_as_riding_in_the_allgather():
+    # 2 ranks, 1 ns/B, no backward, compression or overhead; t0: 1000 sparse elements (k = 10),
+    # t1: 10 dense ones. Together: 40 dense bytes <= 10 pairs' 80, so the allgather carries them:
+    #   a_g + (8 * 10 + 4 * 10) ns, whatever the all-reduce's latency a_r.
+    # t1 alone is a dense buffer and pays its own all-reduce: a_r + 4 * 10 ns.
+    params = specs([1000, 10])
+    sparse_of = lambda spec: spec.name == "t0"  # noqa: E731
+    k_of = lambda spec: spec.numel // 100  # noqa: E731
+    costs = dataclasses.replace(
+        costs_for(params, 0.0, per_element=0.0), compress_fixed=0.0, world_size=2,
+        allreduce=Link(1.0, 1e-9), allgather=Link(50e-6, 1e-9),
+    )
+    together = [params]
+    assert modelled_finish(together, costs, sparse_of, k_of) == pytest.approx(50e-6 + 120e-9)
+    assert modelled_finish([params[:1], params[1:]], costs, sparse_of, k_of) == pytest.approx(50e-6 + 80e-9 + 1.0 + 40e-9)
+    assert cut_by_cost(params, costs, sparse_of, k_of) == together

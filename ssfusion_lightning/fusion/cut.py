@@ -5,8 +5,9 @@ The cost cut is a dynamic program over the tensors in backward order. Tensor i i
 at ``R_i``: the backward up to it plus the compression of every sparse tensor up to it (the main
 thread does both, per tensor in the hook or per buffer at its launch: the same sum either way).
 A buffer (a, b] starts its communication when its last tensor is ready and the link has finished
-the previous buffer, and takes the alpha-beta time of its dense all-reduce plus its sparse
-all-gather of k (value, position) pairs, plus the measured CPU overhead of one buffer (its launch
+the previous buffer, and takes the alpha-beta time of the allgather collectives on it (the sparse
+all-gather of k (value, position) pairs, with a small dense part riding in its message and a larger
+one all-reduced first: ``CostProfile.allgather_buffer_seconds``), plus the measured CPU overhead of one buffer (its launch
 and its collective's work on a channel thread: on a rank with one core, 40 buffers of resnet18
 made the backward 2.7x longer, experiments/results/timeline.md). With F(b) the earliest finish of
 the first b tensors,
@@ -109,23 +110,22 @@ def cut_by_cost(
     n = len(params)
     if n == 0:
         return []
-    ready, dense_numel, sparse_pairs, nbytes = [0.0], [0], [0], [0]
+    ready, dense_numel, sparse_numel, sparse_pairs, nbytes = [0.0], [0], [0], [0], [0]
     clock = 0.0
     for _, spec in params:
         sparse = sparse_of(spec)
         clock += costs.backward_seconds(spec.name) + (costs.compress_seconds(spec.numel) if sparse else 0.0)
         ready.append(clock)
         dense_numel.append(dense_numel[-1] + (0 if sparse else spec.numel))
+        sparse_numel.append(sparse_numel[-1] + (spec.numel if sparse else 0))
         sparse_pairs.append(sparse_pairs[-1] + (k_of(spec) if sparse else 0))
         nbytes.append(nbytes[-1] + spec.nbytes)
     element = [spec.nbytes // max(1, spec.numel) for _, spec in params]
 
     def comm(a: int, b: int) -> float:
-        size = element[b - 1]
-        return (
-            costs.buffer_overhead
-            + costs.dense_seconds(dense_numel[b] - dense_numel[a], size)
-            + costs.sparse_seconds(sparse_pairs[b] - sparse_pairs[a], size)
+        return costs.buffer_overhead + costs.allgather_buffer_seconds(
+            dense_numel[b] - dense_numel[a], sparse_numel[b] - sparse_numel[a], sparse_pairs[b] - sparse_pairs[a],
+            element[b - 1],
         )
 
     # finish[b], buffers[b], start[b]: the best cut of the first b tensors, its buffer count and
@@ -154,13 +154,14 @@ def modelled_finish(groups: Sequence[Sequence[Item]], costs: CostProfile, sparse
     """The finish of the last buffer's communication under the same model (for tests and reports)."""
     clock = link_free = 0.0
     for count, group in enumerate(groups):
-        dense = sparse = 0
+        dense = sparse = pairs = 0
         for _, spec in group:
             is_sparse = sparse_of(spec)
             clock += costs.backward_seconds(spec.name) + (costs.compress_seconds(spec.numel) if is_sparse else 0.0)
             dense += 0 if is_sparse else spec.numel
-            sparse += k_of(spec) if is_sparse else 0
+            sparse += spec.numel if is_sparse else 0
+            pairs += k_of(spec) if is_sparse else 0
         size = group[-1][1].nbytes // max(1, group[-1][1].numel)
-        comm = costs.buffer_overhead + costs.dense_seconds(dense, size) + costs.sparse_seconds(sparse, size)
+        comm = costs.buffer_overhead + costs.allgather_buffer_seconds(dense, sparse, pairs, size)
         link_free = max(clock + costs.serial_cpu * costs.buffer_overhead * count, link_free) + comm
     return link_free
