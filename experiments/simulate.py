@@ -382,7 +382,8 @@ FLAT_SCHEMES = commcost.SCHEMES
 HIER_SCHEMES = commcost.HIERARCHICAL_SCHEMES
 #: layouts-run variants (experiments/bench_layouts.py) -> the scheme that models them
 LAYOUT_VARIANTS = {"ddp": "ddp", "ddp_powersgd": "ddp_powersgd", "ddp_powersgd4": "ddp_powersgd", "flat": "allgather",
-                   "auto": "auto", **{f"hier_{c}": commcost.HIERARCHICAL + c for c in commcost.SCHEMES}}
+                   "auto": "auto", **{f"hier_{c}": commcost.HIERARCHICAL + c for c in commcost.SCHEMES},
+                   "hier_allgather_relay": commcost.RELAY_SCHEME}
 LAYOUT_CHECK_FIELDS = ["layout", "base_layout", "rate", "workload", "variant", "model", "measured_step_ms",
                        "predicted_step_ms", "step_gap_pct", "measured_exposed_ms", "predicted_exposed_ms", "comm_ms"]
 LAYOUT_FIELDS = ["workload", "density", "link", "rate_mbit", "world", "nodes", "per_node", "scheme", "comm_ms",
@@ -456,9 +457,13 @@ def hierarchy_links(layout: Layout) -> tuple[Links, Links] | None:
 
 def layout_candidates(layout: Layout) -> tuple[str, ...]:
     """What ``auto`` chooses among on the layout: the hierarchical schemes need several nodes of
-    several ranks, and, as in ``AutoCommunicator``, ranks with CPU to spare for their extra collectives."""
-    hierarchical = hierarchy_links(layout) and layout.serial_cpu <= SERIAL_HIERARCHY_LIMIT
-    return FLAT_SCHEMES + (HIER_SCHEMES if hierarchical else ())
+    several ranks, and, as in ``AutoCommunicator``, the striped ones ranks with CPU to spare for
+    their extra collectives (relay does without)."""
+    if not hierarchy_links(layout):
+        return FLAT_SCHEMES
+    if layout.serial_cpu > SERIAL_HIERARCHY_LIMIT:
+        return (*FLAT_SCHEMES, commcost.RELAY_SCHEME)
+    return FLAT_SCHEMES + HIER_SCHEMES
 
 
 def auto_choice(w: Workload, layout: Layout) -> str:

@@ -47,7 +47,6 @@ SCHEMES = ("allreduce", "allgather", "zen", "sparcml", "oktopk")
 EXACT_SCHEMES = ("allreduce", "allgather", "zen", "sparcml")
 #: "hierarchical:<scheme>": the hierarchical sync with <scheme> as its cross-node step
 HIERARCHICAL = "hierarchical:"
-HIERARCHICAL_SCHEMES = tuple(HIERARCHICAL + scheme for scheme in SCHEMES)
 #: how the hierarchical sync's sparse part meets inside the node: "dense" reduce-scatters and
 #: all-gathers the whole part, "sparse" all-gathers the selections and the summed stripes' nonzeros,
 #: "relay" all-gathers the pairs the cross-node step gathered
@@ -55,6 +54,10 @@ NODE_STEPS = ("dense", "sparse", "relay")
 #: the node step that forms no sums (cross allgather only): each rank's pairs cross the nodes on its
 #: cross-node group, then the node all-gathers what its ranks received
 RELAY = "relay"
+#: "hierarchical:relay": cross allgather under the relay node step (the others leave the node step
+#: to ``choose_node_step``)
+RELAY_SCHEME = HIERARCHICAL + RELAY
+HIERARCHICAL_SCHEMES = (*(HIERARCHICAL + scheme for scheme in SCHEMES), RELAY_SCHEME)
 #: counts and message headers travel as int64
 COUNT_BYTES = 8
 #: positions travel as int32 in any buffer of fewer than 2**31 elements (comm/schemes.py's
@@ -397,12 +400,23 @@ def scheme_seconds(
     scheme: str, shape: BufferShape, links: Links, spread: float = 1.0, hierarchy: tuple[Links, Links] | None = None
 ) -> float:
     """``buffer_seconds`` for a flat scheme, ``hierarchical_seconds`` for "hierarchical:<cross>"
-    on ``hierarchy`` = (node-local links, cross-node links)."""
+    and "hierarchical:relay" on ``hierarchy`` = (node-local links, cross-node links)."""
     if scheme.startswith(HIERARCHICAL):
         if hierarchy is None:
             raise ValueError(f"{scheme!r} needs the node-local and cross-node links")
-        return hierarchical_seconds(scheme[len(HIERARCHICAL) :], shape, *hierarchy, spread)
+        cross, step = hierarchical_parts(scheme)
+        return hierarchical_seconds(cross, shape, *hierarchy, spread, step=step)
     return buffer_seconds(scheme, shape, links, spread)
+
+
+def hierarchical_parts(scheme: str) -> tuple[str, str | None]:
+    """(cross-node scheme, pinned node step or None) of a "hierarchical:..." scheme name."""
+    name = scheme[len(HIERARCHICAL) :]
+    if name == RELAY:
+        return "allgather", RELAY
+    if name not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; valid choices: {', '.join(HIERARCHICAL_SCHEMES)}")
+    return name, None
 
 
 def choose_scheme(

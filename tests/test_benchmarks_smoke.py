@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from experiments import common, e2e_analyze, e2e_report, simulate
+from ssfusion_lightning import commcost
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "experiments" / "results"
@@ -468,14 +469,20 @@ def test_hierarchical_and_flat_schemes_on_2_nodes_of_2_ranks_at_hand_computed_po
 
 def test_auto_leaves_out_the_hierarchical_schemes_where_ranks_have_no_cpu_to_spare():
     # the same 2x2 cluster where hierarchical:allgather is modelled 0.685 x the flat allgather (above)
+    # relay forms no sums: the other local rank's 2 pieces of 10^4 pairs and their counts inside the
+    # node, a + 160,008 / bn; the rank's 10^4 pairs to the other node on half the NIC, a + 80,000 / (bc / 2)
+    a, bn, bc = 1e-3, 800e6 / 8 * GOOD, 8e6 / 8 * GOOD
+    relay = 2 * a + 160_008 / bn + 80_000 / (bc / 2)
     w = simulate.Workload("toy", 10**6, 0, 10**6, 10**4, 1)
-    spare = _layout(2, 2, 1, 800.0, 8.0, 1e-3)
-    assert any(s.startswith("hierarchical") for s in simulate.layout_candidates(spare))
-    assert simulate.auto_choice(w, spare).startswith("hierarchical")
+    spare = _layout(2, 2, 1, 800.0, 8.0, a)
+    assert relay == pytest.approx(0.172105, rel=1e-5)
+    assert simulate.layout_comm_seconds(commcost.RELAY_SCHEME, w, spare) == pytest.approx(relay)
+    assert set(simulate.HIER_SCHEMES) <= set(simulate.layout_candidates(spare))
+    assert simulate.auto_choice(w, spare) == commcost.RELAY_SCHEME
     for serial in (0.51, 1.0):
-        busy = simulate.Layout(2, 2, 1, (800.0, 1e-3), (8.0, 1e-3), serial_cpu=serial)
-        assert simulate.layout_candidates(busy) == simulate.FLAT_SCHEMES
-        assert not simulate.auto_choice(w, busy).startswith("hierarchical")
+        busy = simulate.Layout(2, 2, 1, (800.0, a), (8.0, a), serial_cpu=serial)
+        assert simulate.layout_candidates(busy) == (*simulate.FLAT_SCHEMES, commcost.RELAY_SCHEME)
+        assert simulate.auto_choice(w, busy) == commcost.RELAY_SCHEME
     at_limit = simulate.Layout(2, 2, 1, (800.0, 1e-3), (8.0, 1e-3), serial_cpu=0.5)
     assert simulate.auto_choice(w, at_limit) == simulate.auto_choice(w, spare)
     # the emulation host: one intra-op thread per rank, 2 cores
@@ -568,7 +575,9 @@ def test_layout_check_predicts_2x2_from_the_flat_run_of_the_same_p():
     out = {r["variant"]: r for r in simulate.check_layouts(rows, plans, choices, 1e-3, 1000.0, 2.0)}
     assert set(out) == {"flat", "hier_allgather", "ddp", "auto"}  # the 2x2 rows only
     busy = {r["variant"]: r for r in simulate.check_layouts(rows, plans, choices, 1e-3, 1000.0, 2.0, serial_cpu=1.0)}
-    assert busy["auto"]["model"].startswith("auto -> allgather") and out["auto"]["model"].startswith("auto -> hierarchical")
+    # relay is modelled fastest here and stays a candidate on busy ranks, where the striped ones leave
+    assert busy["auto"]["model"].startswith(f"auto -> {commcost.RELAY_SCHEME}")
+    assert out["auto"]["model"].startswith(f"auto -> {commcost.RELAY_SCHEME}")
     layout = simulate.Layout(2, 2, 1, (500.0, 1e-3), (40.0, 1e-3))
     for variant, model, extra in (("flat", "allgather", 0.1), ("hier_allgather", "hierarchical:allgather", 0.1),
                                   ("ddp", "ddp", 0.0), ("auto", "auto", 0.45 - 0.2 - 0.15)):

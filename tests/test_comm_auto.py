@@ -25,6 +25,8 @@ from ssfusion_lightning.comm.base import CommContext
 from ssfusion_lightning.commcost import (
     EXACT_SCHEMES,
     HIERARCHICAL_SCHEMES,
+    RELAY,
+    RELAY_SCHEME,
     SCHEMES,
     BufferShape,
     Link,
@@ -32,6 +34,8 @@ from ssfusion_lightning.commcost import (
     buffer_seconds,
     choose_scheme,
     expected_nonzeros,
+    hierarchical_parts,
+    hierarchical_seconds,
     measured_spread,
     oktopk_collectives,
     scheme_seconds,
@@ -112,15 +116,33 @@ def test_hierarchical_sync_wins_when_the_node_link_is_fast():
     #   is 39,404, 9,851 per stripe of 250,000; across the 2 nodes sparcml sends its header and its
     #   9,851 pairs: 100 + 78.8 = 178.8 us -> 200.84 us in all (cross allgather: the same, plus 8 B for
     #   the count round a stripe's unbounded count needs; cross zen and oktopk pay >= 200 us of latency).
+    # Relay forms no sums: each rank's 10^4 pairs cross to the other node in one allgather of 2,
+    #   50 + 8 * 10^4 ns = 130 us; then the node all-gathers what its 3 other ranks received, 2 pieces
+    #   of k pairs and their int32 counts each, 3 * (2 * 8 * 10^4 + 8) B: 5 + 4.80024 us -> 139.80 us.
     shape = BufferShape(dense=0, sparse=10**6, k=10**4)
     flat = links(8)
     hierarchy = (links(4, alpha_us=5, ns_per_byte=0.01), links(2))
     assert choose_scheme(shape, flat) == "oktopk"
     assert buffer_seconds("oktopk", shape, flat) == pytest.approx(486e-6, rel=0.01)
-    best = choose_scheme(shape, flat, SCHEMES + HIERARCHICAL_SCHEMES, hierarchy=hierarchy)
+    striped = tuple(s for s in HIERARCHICAL_SCHEMES if s != RELAY_SCHEME)
+    best = choose_scheme(shape, flat, SCHEMES + striped, hierarchy=hierarchy)
     assert best == "hierarchical:sparcml"
     assert scheme_seconds(best, shape, flat, hierarchy=hierarchy) == pytest.approx(200.84e-6, rel=1e-4)
     assert scheme_seconds("hierarchical:allgather", shape, flat, hierarchy=hierarchy) == pytest.approx(200.85e-6, rel=1e-4)
+    assert choose_scheme(shape, flat, SCHEMES + HIERARCHICAL_SCHEMES, hierarchy=hierarchy) == RELAY_SCHEME
+    assert scheme_seconds(RELAY_SCHEME, shape, flat, hierarchy=hierarchy) == pytest.approx(139.80024e-6, rel=1e-9)
+
+
+def test_relay_is_charged_as_the_relay_node_step_of_the_cross_allgather():
+    shape = BufferShape(dense=300, sparse=10**5, k=10**3)
+    flat, node, across = links(4), links(2, alpha_us=5, ns_per_byte=0.01), links(2)
+    pinned = hierarchical_seconds("allgather", shape, node, across, step=RELAY)
+    assert scheme_seconds(RELAY_SCHEME, shape, flat, hierarchy=(node, across)) == pinned
+    assert pinned != hierarchical_seconds("allgather", shape, node, across)  # not the node step auto picks
+    assert hierarchical_parts(RELAY_SCHEME) == ("allgather", RELAY)
+    assert hierarchical_parts("hierarchical:zen") == ("zen", None)
+    with pytest.raises(ValueError, match="unknown scheme 'hierarchical:ring'; valid choices: .*hierarchical:relay"):
+        hierarchical_parts("hierarchical:ring")
 
 
 def test_auto_offers_hierarchical_schemes_only_on_nodes_of_several_ranks():
@@ -131,7 +153,9 @@ def test_auto_offers_hierarchical_schemes_only_on_nodes_of_several_ranks():
     )
     # the schemes alone: the default compression cost (4 ms here) would send this buffer dense
     auto = COMMUNICATORS.build("auto", dense_fallback=False)
-    assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, (4, 2))).buffers[0].comm == "hierarchical:sparcml"
+    assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, (4, 2))).buffers[0].comm == RELAY_SCHEME
+    striped = COMMUNICATORS.build("auto", schemes=[*SCHEMES, "hierarchical:sparcml"], dense_fallback=False)
+    assert striped.assign(plan, CommContext(8, fast_node, {0: 4}, (4, 2))).buffers[0].comm == "hierarchical:sparcml"
     for layout in (None, (8, 1), (1, 8)):
         assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, layout)).buffers[0].comm == "oktopk"
     only_hierarchical = COMMUNICATORS.build("auto", schemes=["hierarchical:zen"])
@@ -139,18 +163,24 @@ def test_auto_offers_hierarchical_schemes_only_on_nodes_of_several_ranks():
         only_hierarchical.assign(plan, CommContext(8, fast_node, {0: 4}, None))
 
 
-def test_auto_keeps_to_flat_schemes_without_a_core_to_spare():
-    """With one core per rank (serial CPU above the limit) the hierarchical sync's extra collectives
-    are taken from the backward: auto offers the flat schemes only, unless the user left it no flat one."""
+def test_auto_keeps_to_flat_schemes_and_relay_without_a_core_to_spare():
+    """With one core per rank (serial CPU above the limit) the striped hierarchical sync's extra
+    collectives and passes are taken from the backward: auto offers the flat schemes and relay
+    (no pass over the part, one collective more) only, unless the user left it no flat one."""
     plan = plan_of([(0, 10**6, 10**4)])
     costs = dict(
         allreduce=Link(50 * US, 1e-9), allgather=Link(50 * US, 1e-9), node_link=Link(5 * US, 1e-11),
         cross_link=Link(50 * US, 1e-9), world_size=8, measured=True,
     )
+    striped = COMMUNICATORS.build("auto", schemes=[*SCHEMES, "hierarchical:sparcml"], dense_fallback=False)
     auto = COMMUNICATORS.build("auto", dense_fallback=False)
-    for serial, expected in ((0.0, "hierarchical:sparcml"), (0.5, "hierarchical:sparcml"), (0.51, "oktopk"), (1.0, "oktopk")):
+    for serial, expected, expected_all in (
+        (0.0, "hierarchical:sparcml", RELAY_SCHEME), (0.5, "hierarchical:sparcml", RELAY_SCHEME),
+        (0.51, "oktopk", RELAY_SCHEME), (1.0, "oktopk", RELAY_SCHEME),
+    ):
         context = CommContext(8, CostProfile(serial_cpu=serial, **costs), {0: 4}, (4, 2))
-        assert auto.assign(plan, context).buffers[0].comm == expected, serial
+        assert striped.assign(plan, context).buffers[0].comm == expected, serial
+        assert auto.assign(plan, context).buffers[0].comm == expected_all, serial
     only_hierarchical = COMMUNICATORS.build("auto", schemes=["hierarchical:zen"], dense_fallback=False)
     context = CommContext(8, CostProfile(serial_cpu=1.0, **costs), {0: 4}, (4, 2))
     assert only_hierarchical.assign(plan, context).buffers[0].comm == "hierarchical:zen"
@@ -541,6 +571,17 @@ def test_auto_runs_hierarchical_candidates_on_2_nodes_of_2_ranks(pool4):
     results = pool4.run(train_auto, **options)
     assert results[0]["measured"] and all(c.startswith("hierarchical:") for c in results[0]["comm"])
     check_identical(results)
+
+
+def test_auto_runs_relay_on_2_nodes_of_2_ranks(pool4):
+    results = pool4.run(train_auto, ranks_per_node=2, comm_options={"schemes": ["hierarchical:relay"], "dense_fallback": False})
+    assert results[0]["measured"] and set(results[0]["comm"]) == {RELAY_SCHEME}
+    check_identical(results)
+
+
+def test_auto_runs_relay_as_the_hierarchical_sync_with_its_node_step_pinned():
+    runner = COMMUNICATORS.build("auto", schemes=["allgather", RELAY_SCHEME])._runners[RELAY_SCHEME]
+    assert (runner.name, runner.cross, runner.node) == ("hierarchical", "allgather", RELAY)
 
 
 def fallback_run() -> dict:

@@ -35,10 +35,12 @@ from ssfusion_lightning.commcost import (
     EXACT_SCHEMES,
     HIERARCHICAL,
     HIERARCHICAL_SCHEMES,
+    RELAY_SCHEME,
     SCHEMES,
     BufferShape,
     Links,
     choose_scheme,
+    hierarchical_parts,
     measured_spread,
     scheme_seconds,
 )
@@ -80,7 +82,8 @@ class AutoCommunicator(Communicator):
     """Per buffer, the fastest of ``schemes`` under the agreed cost model (see the module doc).
 
     ``schemes``: the candidates, among allreduce, allgather, zen, sparcml, oktopk and
-    "hierarchical:<one of those>" (comm/hierarchical.py with that cross-node step); default: all.
+    "hierarchical:<one of those>" (comm/hierarchical.py with that cross-node step) and
+    "hierarchical:relay" (cross allgather under the relay node step); default: all.
     The hierarchical ones compete only where nodes hold several ranks each (``ranks_per_node``)
     and there are several nodes. Leave out oktopk (both forms) for an exact sum everywhere: Ok-Topk
     keeps about k entries of the sum.
@@ -154,15 +157,16 @@ class AutoCommunicator(Communicator):
                     "add a flat scheme, or set ranks_per_node so that several nodes hold several ranks each"
                 )
             return flat, None
-        if costs.serial_cpu > SERIAL_HIERARCHY_LIMIT and flat:
-            # with no core to spare beside the backward, the hierarchical sync's extra collectives
-            # (three node and cross steps, and their count rounds, per buffer) cost more CPU than the
-            # cross-node bytes it saves: on 2 nodes x 2 ranks with one core per rank it ran at
-            # 0.86-0.90 x the flat allgather, with either node step (REPORT, "the node step A/B")
-            return flat, None
         per_node, nodes = layout
         node = Links.measured(per_node, costs.node_link, costs.node_link)
         across = Links.measured(nodes, costs.cross_link, costs.cross_link)
+        if costs.serial_cpu > SERIAL_HIERARCHY_LIMIT and flat:
+            # with no core to spare beside the backward, the striped sync's extra collectives (three
+            # node and cross steps, and their count rounds, per buffer) and its passes over the part
+            # cost more CPU than the cross-node bytes they save: on 2 nodes x 2 ranks with one core
+            # per rank it ran at 0.86-0.90 x the flat allgather (REPORT, "the node step A/B"). Relay
+            # makes no pass over the part and one collective more, of O(P k): it stays.
+            return flat + tuple(s for s in self.schemes if s == RELAY_SCHEME), (node, across)
         return self.schemes, (node, across)
 
     # ------------------------------------------------------------ running it
@@ -206,8 +210,9 @@ def _rank() -> int:
 
 def _runner_for(scheme: str) -> Communicator:
     if scheme.startswith(HIERARCHICAL):
-        # node="auto" is the node step commcost.hierarchical_seconds costs this candidate with
-        return COMMUNICATORS.build("hierarchical", cross=scheme[len(HIERARCHICAL) :], node="auto")
+        # a node step left to node="auto" is the one commcost.hierarchical_seconds costs the candidate with
+        cross, step = hierarchical_parts(scheme)
+        return COMMUNICATORS.build("hierarchical", cross=cross, node=step or "auto")
     return COMMUNICATORS.build(RUNNERS[scheme], **RUNNER_OPTIONS.get(scheme, {}))
 
 
