@@ -354,27 +354,39 @@ def plan_of(shapes: list[tuple[int, int, int]]) -> Plan:
     return Plan(tuple(out))
 
 
+alpha_values, beta_values = st.floats(1e-7, 1e-2), st.floats(1e-12, 1e-7)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
-    st.integers(2, 1024),
-    st.lists(st.tuples(st.floats(1e-7, 1e-2), st.floats(1e-12, 1e-7), st.floats(1e-7, 1e-2), st.floats(1e-12, 1e-7), st.floats(0, 1)), min_size=2, max_size=4),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(1, 256),
+    st.lists(
+        st.tuples(*[alpha_values, beta_values] * 4, st.floats(0, 1), st.floats(0, 1)), min_size=2, max_size=4
+    ),
     st.lists(st.tuples(st.integers(0, 10**5), st.integers(0, 10**7), st.floats(1e-4, 1.0)), min_size=1, max_size=6),
 )
-def test_every_rank_assigns_the_same_plan_from_the_agreed_costs(world, measured, shapes):
-    """Each simulated rank measured its own numbers; agreement (elementwise max, as ``agree`` does
-    with an all-reduce) gives every rank the same profile, and every rank's own communicator then
-    records the same scheme for every buffer."""
+def test_every_rank_assigns_the_same_plan_from_the_agreed_costs(per_node, nodes, measured, shapes):
+    """Each simulated rank measured its own numbers (the flat links, the node-local and cross-node
+    links, the selections' spread, its serial CPU share); agreement (elementwise max, as ``agree``
+    does with an all-reduce) gives every rank the same profile, and every rank's own communicator
+    then records the same scheme for every buffer, flat or hierarchical."""
+    world = per_node * nodes
+    if world < 2:
+        return
     agreed = [max(column) for column in zip(*measured)]
+    links_of = [Link(agreed[i], agreed[i + 1]) for i in range(0, 8, 2)]
     profile = CostProfile(
-        allreduce=Link(agreed[0], agreed[1]), allgather=Link(agreed[2], agreed[3]),
-        selection_spread=agreed[4], world_size=world, measured=True,
+        allreduce=links_of[0], allgather=links_of[1], node_link=links_of[2], cross_link=links_of[3],
+        selection_spread=agreed[8], serial_cpu=agreed[9], world_size=world, measured=True,
     )
     plan = plan_of([(dense, sparse, max(1, int(sparse * density)) if sparse else 0) for dense, sparse, density in shapes])
-    context = CommContext(world, profile, {b.index: 4 for b in plan.buffers})
+    context = CommContext(world, profile, {b.index: 4 for b in plan.buffers}, (per_node, nodes))
     plans = [COMMUNICATORS.build("auto").assign(plan, context) for _ in measured]
     assert len({p.fingerprint() for p in plans}) == 1
     assert all(p.notes["comm"] == plans[0].notes["comm"] for p in plans)
-    assert all(b.comm in SCHEMES for b in plans[0].buffers)
+    candidates = SCHEMES + (HIERARCHICAL_SCHEMES if per_node > 1 and nodes > 1 else ())
+    assert all(b.comm in candidates for b in plans[0].buffers)
 
 
 def test_the_choice_is_part_of_the_plan_fingerprint():
