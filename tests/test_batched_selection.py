@@ -180,6 +180,26 @@ def test_failed_bound_falls_back_to_the_exact_top_k(path):
     assert torch.equal(torch.sort(values).values, torch.sort(torch.topk(x, k).values).values)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ties_at_the_cut_go_to_the_lowest_positions(path, dtype):
+    """k = 50 of 5,000: 30 magnitudes of 5, then 60 of 2 (either sign) for the last 20 places, the
+    rest below 1. The sampled bound keeps more than k candidates, so the trim decides: all the 5s
+    and the 20 lowest positions among the 2s, as ``torch.topk``-based ``select`` breaks ties."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.rand(5_000, generator=generator, dtype=dtype) * 0.9
+    positions = torch.randperm(5_000, generator=generator)
+    fives, twos = positions[:30], positions[30:90]
+    x[fives] = 5.0
+    x[twos] = torch.where(torch.arange(60) % 2 == 0, 2.0, -2.0).to(dtype)
+    sparsifier = build_sparsifier("topk", density=0.01)
+    (values, indices), (_, filler) = sparsifier.select_many([x, torch.rand(300, dtype=dtype)], ["x", "f"], [None, None])
+    expected = torch.cat([fives, torch.sort(twos).values[:20]])
+    assert torch.equal(torch.sort(indices).values, torch.sort(expected).values)
+    assert torch.equal(values, x[indices]) and filler.numel() == 3
+    looped, _ = sparsifier.select(x, key="x")
+    assert torch.equal(torch.sort(looped).values, torch.sort(values).values)
+
+
 def test_mixed_dtypes_and_trivial_tensors_keep_their_order(path):
     tensors = [torch.randn(500), torch.randn(()), torch.randn(300).half(), torch.zeros(0), torch.randn(40, 50).double()]
     keys = ["a", "b", "c", "d", "e"]

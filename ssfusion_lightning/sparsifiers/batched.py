@@ -18,8 +18,8 @@ whole buffer:
    tensor, one call against per-element thresholds for the tail) and ONE compaction for all
    tensors; the per-tensor counts come from a ``searchsorted`` of the tensors' bounds in the
    sorted positions;
-4. the exact part -- the top k among a tensor's few candidates -- for all tensors with one
-   sort of (tensor, magnitude) keys of the candidates only;
+4. the exact part -- the top k among a tensor's few candidates -- with one partition of the
+   candidates' magnitudes per tensor that has more than k;
 5. one gather of the values and one split into per-tensor results.
 
 On CPU, steps 2-4 run in numpy on zero-copy views of the torch scratch: on the 2-core AVX2
@@ -278,35 +278,27 @@ class FlatBatch:
         return self.keep
 
     def trim(self, items: Sequence[int], ks: Sequence[int]) -> None:
-        """Keep only the ks[j] candidates of tensor items[j] with the largest magnitudes (ties: any).
+        """Keep only the ks[j] candidates of tensor items[j] with the largest magnitudes; equal
+        magnitudes at the cut go to the lowest positions (``selection.lowest_ties``).
 
-        On the numpy path with float32 magnitudes all of them at once: candidates are grouped
-        by tensor in buffer order, so an int64 key (rank of the tensor in the buffer, then the
-        magnitude's bits, which order like the non-negative floats) sorted once puts each
-        tensor's candidates in its own range, ascending; the key at ``last - k`` is the tensor's
-        k-th largest, and one compare keeps everything from it up. A tie at that key keeps more
-        than k, and that tensor is trimmed on its own."""
-        if not items:
-            return
-        if not (self.cpu and self.mag_np.dtype == np.float32):
+        On the numpy path, per tensor: one ``partition`` of its candidates' magnitudes finds the
+        k-th largest, one compare keeps everything from it up, and a tie at the cut (more than k
+        kept) sends that tensor to the tie-breaking ``_trim_one``. On 29 tensors' 22K candidates
+        this took a third of one sort of (tensor, magnitude) keys over all of them."""
+        if not self.cpu:
             for i, k in zip(items, ks):
                 self._trim_one(i, k)
             return
-        lay = self.layout
-        counts = (self.last - self.first)[lay.order]
-        rank_of = np.empty(len(lay.numels), dtype=np.int64)
-        rank_of[lay.order] = np.arange(len(lay.numels))
-        keys = self.mag_np[self.found].view(np.int32).astype(np.int64)
-        keys |= np.repeat(np.arange(len(lay.numels), dtype=np.int64) << 32, counts)
-        floors = np.arange(len(lay.numels), dtype=np.int64) << 32  # keep every candidate
-        items_a, ks_a = np.asarray(items), np.asarray(ks)
-        floors[rank_of[items_a]] = np.sort(keys)[self.last[items_a] - ks_a]
-        keep = self._keep()
-        keep &= keys >= np.repeat(floors, counts)
-        kept = np.concatenate([[0], np.cumsum(keep)])
-        tied = (kept[self.last[items_a]] - kept[self.first[items_a]]) != ks_a
-        for i, k in zip(items_a[tied].tolist(), ks_a[tied].tolist()):
-            self._trim_one(i, k)
+        keep, magnitudes_of, found = self._keep(), self.mag_np, self.found
+        for i, k in zip(items, ks):
+            a, b = int(self.first[i]), int(self.last[i])
+            magnitudes = magnitudes_of[found[a:b]]
+            cut = np.partition(magnitudes, b - a - k)[b - a - k]
+            chosen = magnitudes >= cut
+            if np.count_nonzero(chosen) == k:
+                keep[a:b] = chosen
+            else:
+                self._trim_one(i, k)
 
     def _trim_one(self, i: int, k: int) -> None:
         a, b = int(self.first[i]), int(self.last[i])
