@@ -285,6 +285,8 @@ class FlatBatch:
         k-th largest, one compare keeps everything from it up, and a tie at the cut (more than k
         kept) sends that tensor to the tie-breaking ``_trim_one``. On 29 tensors' 22K candidates
         this took a third of one sort of (tensor, magnitude) keys over all of them."""
+        if not items:
+            return  # no keep mask: ``results`` then gathers every candidate without a masked copy
         if not self.cpu:
             for i, k in zip(items, ks):
                 self._trim_one(i, k)
