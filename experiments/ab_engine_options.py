@@ -46,6 +46,8 @@ def run_variant(
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=checkout)
     summary = read_csv(scratch / f"{name}.csv")
     ddp = {(r["world"], r["workload"], r["rate"]): float(r["step_ms"]) for r in summary if r["scheme"] == "ddp"}
+    # the final plan's buffer count: the auto cut's, from the costs this run measured
+    buffers = {(r["world"], r["workload"], r["rate"], r["scheme"]): r["plan_buffers"] for r in read_csv(scratch / f"{name}_runs.csv")}
     rows = []
     for r in summary:
         if r["scheme"] not in schemes or not r["step_ms"]:
@@ -54,7 +56,8 @@ def run_variant(
         step = float(r["step_ms"])
         rows.append(
             dict(variant=variant, options=options, revision=revision, repeat=repeat, world=r["world"], workload=r["workload"], rate=r["rate"],
-                 scheme=r["scheme"], step_ms=f"{step:.1f}", ddp_step_ms=f"{reference:.1f}", x_ddp_step=f"{step / reference:.3f}")
+                 scheme=r["scheme"], step_ms=f"{step:.1f}", ddp_step_ms=f"{reference:.1f}", x_ddp_step=f"{step / reference:.3f}",
+                 buffers=buffers.get((r["world"], r["workload"], r["rate"], r["scheme"]), ""))
         )
     return rows
 

@@ -38,7 +38,7 @@ from experiments.common import (
 )
 from ssfusion_lightning.commcost import SCHEMES
 
-FIELDS = ("variant", "repeat", "world", "workload", "rate", "scheme", "step_ms", "ddp_step_ms", "x_ddp_step", "choices")
+FIELDS = ("variant", "repeat", "world", "workload", "rate", "scheme", "step_ms", "ddp_step_ms", "x_ddp_step", "buffers", "choices")
 HOOKS = ("ddp_powersgd", "ddp_powersgd4")
 #: auto may be this much slower than the best fixed scheme (issue 16)
 TOLERANCE = 1.05
@@ -103,7 +103,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def markdown(summary: list[dict], comms: list[str], meta: dict) -> str:
+def markdown(summary: list[dict], comms: list[str], meta: dict, rows: list[dict] = ()) -> str:
     columns = ["auto", *comms, *HOOKS]
     lines = [
         f"The ssfusion preset (density {meta.get('density', '1%')}) with comm=auto and with each fixed scheme, "
@@ -123,7 +123,25 @@ def markdown(summary: list[dict], comms: list[str], meta: dict) -> str:
         )
     met = sum(s["met"] for s in summary)
     lines += ["", f"auto within {TOLERANCE:.2f}x of the best fixed scheme in {met} of {len(summary)} cases."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + by_buffers(rows)) + "\n"
+
+
+def by_buffers(rows: list[dict]) -> list[str]:
+    """Step / ddp by the number of buffers the run's cost cut made (the cut follows the costs each
+    run measures, so repeats of one variant can differ): the share of a gap that is the cut's."""
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for r in rows:
+        if r.get("buffers") and r["variant"] not in HOOKS:
+            groups[(int(r["world"]), r["workload"], r["rate"], r["variant"], int(r["buffers"]))].append(float(r["x_ddp_step"]))
+    if not groups:
+        return []
+    lines = [
+        "", "Step / ddp by the buffers of the run's final plan (every run of a variant; median, and the number of runs):",
+        "", "| P | workload | link | variant | buffers | step / ddp | runs |", "|---|---|---|---|---:|---:|---:|",
+    ]
+    for (world, workload, rate, variant, buffers), values in sorted(groups.items()):
+        lines.append(f"| {world} | {workload} | {rate} | {variant} | {buffers} | {median(values):.3f} | {len(values)} |")
+    return lines
 
 
 def plot(summary: list[dict], comms: list[str], path: Path) -> None:
@@ -145,7 +163,7 @@ def plot(summary: list[dict], comms: list[str], path: Path) -> None:
 
 def write_outputs(rows: list[dict], out: Path, name: str, meta: dict) -> str:
     summary = summarize(rows)
-    text = markdown(summary, meta["comms"], meta)
+    text = markdown(summary, meta["comms"], meta, rows)
     (out / f"{name}.md").write_text(
         f"# comm=auto against the fixed collectives (emulated cluster)\n\nCommand: `python -m experiments.bench_comm_choice "
         f"{' '.join(meta.get('argv', []))}`\n\n{text}"

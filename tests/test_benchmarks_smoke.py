@@ -271,12 +271,12 @@ def test_report_ab_tables_come_from_the_committed_csvs(stem):
 def test_comm_choice_compares_auto_with_the_best_fixed_scheme_of_the_same_cell():
     from experiments import bench_comm_choice
 
-    def row(variant, repeat, x, world=2, rate="40mbit", choices=""):
+    def row(variant, repeat, x, world=2, rate="40mbit", choices="", buffers=""):
         return {"variant": variant, "repeat": repeat, "world": world, "workload": "resnet18", "rate": rate,
-                "scheme": "ssfusion", "x_ddp_step": x, "choices": choices}
+                "scheme": "ssfusion", "x_ddp_step": x, "choices": choices, "buffers": buffers}
 
-    rows = [row("auto", 0, 0.50, choices="allgather:3"), row("auto", 1, 0.54, choices="allgather:2 zen:1"),
-            row("allgather", 0, 0.52), row("allgather", 1, 0.50), row("zen", 0, 0.60), row("zen", 1, 0.62),
+    rows = [row("auto", 0, 0.50, choices="allgather:3", buffers="3"), row("auto", 1, 0.54, choices="allgather:2 zen:1", buffers="3"),
+            row("allgather", 0, 0.52, buffers="5"), row("allgather", 1, 0.50, buffers="3"), row("zen", 0, 0.60), row("zen", 1, 0.62),
             row("ddp_powersgd", 0, 0.40),
             row("auto", 0, 0.70, world=4), row("auto", 1, 0.72, world=4), row("zen", 0, 0.60, world=4), row("zen", 1, 0.64, world=4)]
     p2, p4 = bench_comm_choice.summarize(rows)
@@ -288,6 +288,11 @@ def test_comm_choice_compares_auto_with_the_best_fixed_scheme_of_the_same_cell()
     table = bench_comm_choice.markdown([p2, p4], ["allgather", "zen"], {"repeats": 2})
     assert "| 2 | resnet18 | 40mbit | 0.520 | 0.510 | 0.610 | 0.400 |  | allgather | 1.020 | yes |" in table
     assert "within 1.05x of the best fixed scheme in 1 of 2 cases" in table
+    # runs grouped by their plan's buffers: auto's two 3-buffer runs, allgather's one of 3 and one of 5
+    table = bench_comm_choice.markdown([p2, p4], ["allgather", "zen"], {"repeats": 2}, rows)
+    assert "| 2 | resnet18 | 40mbit | auto | 3 | 0.520 | 2 |" in table
+    assert "| 2 | resnet18 | 40mbit | allgather | 3 | 0.500 | 1 |" in table and "| allgather | 5 | 0.520 | 1 |" in table
+    assert "| zen |" not in table.split("Step / ddp by the buffers")[1]  # runs without a buffer count stay out
 
 
 @pytest.mark.skipif(not (RESULTS / "comm_choice.csv").exists(), reason="no committed comm_choice results")
@@ -297,8 +302,9 @@ def test_report_comm_choice_table_comes_from_the_committed_csv():
     from experiments import bench_comm_choice
 
     meta = json.loads((RESULTS / "comm_choice_meta.json").read_text())
-    summary = bench_comm_choice.summarize(common.read_csv(RESULTS / "comm_choice.csv"))
-    assert common.report_section("comm-choice") == bench_comm_choice.markdown(summary, meta["comms"], meta).strip()
+    rows = common.read_csv(RESULTS / "comm_choice.csv")
+    summary = bench_comm_choice.summarize(rows)
+    assert common.report_section("comm-choice") == bench_comm_choice.markdown(summary, meta["comms"], meta, rows).strip()
 
 
 # --------------------------------------------------------------------------- bench_memory.py

@@ -550,6 +550,13 @@ def test_shared_positions_measure_no_spread(pool4):
     assert [r["spread"] for r in shared] == [0.0] * 4
 
 
+def test_relay_measures_the_spread_of_its_exact_sums(pool4):
+    # relay's cross step is an exact allgather: its sums are counted like the flat ones
+    options = dict(sparsifier="randomk", fusion="ahead", ranks_per_node=2)
+    shared = pool4.run(train_auto, **options, comm_options={"schemes": ["hierarchical:relay"], "dense_fallback": False})
+    assert [r["spread"] for r in shared] == [0.0] * 4
+
+
 def resume_auto(path: str) -> tuple[list[str], list[str], bool]:
     """Train 6 steps and checkpoint, then resume to step 9: the plan's choices come back as
     they were saved, and the saved costs are used (nothing is profiled again)."""

@@ -175,8 +175,7 @@ class AutoCommunicator(Communicator):
 
     def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
         pending = self._runner(buffer).launch(encoded, buffer, channels)
-        exact = buffer.comm.removeprefix(HIERARCHICAL) in EXACT_SCHEMES
-        if self._measuring and exact and encoded.values is not None and buffer.sparse_slots:
+        if self._measuring and sums_exactly(buffer.comm or UNASSIGNED) and encoded.values is not None and buffer.sparse_slots:
             k = sum(slot.k for slot in buffer.sparse_slots)
             return _Counted(pending, lambda nonzeros: self._record(buffer.sparse_numel, k, nonzeros))
         return pending
@@ -214,6 +213,11 @@ def _runner_for(scheme: str) -> Communicator:
         cross, step = hierarchical_parts(scheme)
         return COMMUNICATORS.build("hierarchical", cross=cross, node=step or "auto")
     return COMMUNICATORS.build(RUNNERS[scheme], **RUNNER_OPTIONS.get(scheme, {}))
+
+
+def sums_exactly(scheme: str) -> bool:
+    """Whether ``scheme`` leaves every rank the exact sum (a hierarchical one: its cross-node step's)."""
+    return (hierarchical_parts(scheme)[0] if scheme.startswith(HIERARCHICAL) else scheme) in EXACT_SCHEMES
 
 
 def buffer_shape(buffer: Buffer, value_bytes: int) -> BufferShape:
