@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.sparsifiers.base import check_many
-from ssfusion_lightning.sparsifiers.selection import Candidates, search_threshold, topk_positions, weyl_step
+from ssfusion_lightning.sparsifiers.selection import Candidates, ThresholdSearch, search_threshold, topk_positions, weyl_step
 
 if TYPE_CHECKING:
     from ssfusion_lightning.sparsifiers.base import Sparsifier, ThresholdSparsifier
@@ -191,6 +191,7 @@ class FlatBatch:
         else:
             self.mag[n] = -math.inf
         self.found: Positions | None = None
+        self.found_magnitudes: np.ndarray | None = None  # of ``found``, gathered once per pass
         self.first = self.last = np.zeros(0, dtype=np.int64)
         self.keep: np.ndarray | Tensor | None = None
         self.finished: dict[int, tuple[Tensor, Tensor]] = {}
@@ -201,31 +202,38 @@ class FlatBatch:
 
     # ----------------------------------------------------------------------- thresholds
     def kth_largest(self, rows: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """For every (index matrix [R, W], ranks [R]) group: the ranks[r]-th largest magnitude of
-        row r (pads hold the sentinel), as float64, the rows of all groups concatenated."""
+        """For every (index matrix [R, W], ranks [R] or [R, m]) group: the ranks[r]-th largest
+        magnitude of row r (pads hold the sentinel; with m ranks per row, m values from one
+        ranking of the row), as float64, the rows of all groups concatenated."""
         out = []
         for index, ranks in rows:
             width = index.shape[1]
+            cols = ranks.reshape(len(ranks), -1)
             if self.cpu:
                 matrix = self.mag_np.take(index)
                 if width < PARTITION_MIN:
                     matrix.sort(axis=1)
-                    out.append(matrix[np.arange(len(ranks)), width - ranks].astype(np.float64))
+                    out.append(matrix[np.arange(len(cols))[:, None], width - cols].astype(np.float64))
                     continue
-                # numpy's partition is vectorized for ONE kth only (each further kth in the same
-                # call costs another pass): one call per distinct rank, each row partitioned once
-                values = np.empty(len(ranks))
-                for rank in np.unique(ranks).tolist():
-                    same = ranks == rank
-                    values[same] = np.partition(matrix[same], width - rank, axis=1)[:, width - rank]
+                # numpy's partition is vectorized for ONE set of kth (each further kth in the same
+                # call costs another pass): one call per distinct set of ranks, each row partitioned once
+                values = np.empty(cols.shape)
+                distinct, group = np.unique(cols, axis=0, return_inverse=True)
+                for g, wanted in enumerate(distinct.tolist()):
+                    same = group.reshape(-1) == g
+                    kth = [width - rank for rank in wanted]
+                    values[same] = np.partition(matrix[same], sorted(set(kth)), axis=1)[:, kth]
                 out.append(values)
             else:
                 index_t = torch.from_numpy(index).to(self.device)
                 matrix = self.mag.index_select(0, index_t.view(-1)).view(index.shape)
-                top = torch.topk(matrix, int(ranks.max()), dim=1).values
-                rank_t = torch.from_numpy(ranks - 1).to(self.device).view(-1, 1)
-                out.append(top.gather(1, rank_t).view(-1).double().cpu().numpy())
-        return np.concatenate(out) if out else np.zeros(0)
+                top = torch.topk(matrix, int(cols.max()), dim=1).values
+                rank_t = torch.from_numpy(cols - 1).to(self.device)
+                out.append(top.gather(1, rank_t).double().cpu().numpy())
+        if not out:
+            return np.zeros(0)
+        values = np.concatenate(out)
+        return values[:, 0] if all(ranks.ndim == 1 for _, ranks in rows) else values
 
     # ----------------------------------------------------------------------- candidates
     def at_least(self, thresholds: Sequence[float]) -> np.ndarray:
@@ -255,9 +263,31 @@ class FlatBatch:
             self.found = (self.mag[:n] >= expanded).nonzero().view(-1)
             edges = torch.from_numpy(np.stack([lay.starts, lay.starts + lay.sizes])).to(self.device)
             self.first, self.last = torch.searchsorted(self.found, edges).cpu().numpy()
+        self.found_magnitudes = None
         self.keep = None
         self.finished = {}
         return self.last - self.first
+
+    def count_at(self, i: int, threshold: float) -> int:
+        """How many of tensor i's candidates have ``|x| >= threshold`` (exact in the magnitude dtype,
+        see ``in_dtype``; NaN: none): a search's count inside the set, on the host on CPU."""
+        a, b = int(self.first[i]), int(self.last[i])
+        if self.cpu:
+            return int(np.count_nonzero(self._found_magnitudes()[a:b] >= self.mag_np.dtype.type(threshold)))
+        return int((self.mag[self.found[a:b]] >= threshold).sum())
+
+    def restrict(self, i: int, threshold: float) -> None:
+        """Keep only tensor i's candidates with ``|x| >= threshold`` (exact, as in ``count_at``)."""
+        a, b = int(self.first[i]), int(self.last[i])
+        if self.cpu:
+            self._keep()[a:b] = self._found_magnitudes()[a:b] >= self.mag_np.dtype.type(threshold)
+        else:
+            self._keep()[a:b] = self.mag[self.found[a:b]] >= threshold
+
+    def _found_magnitudes(self) -> np.ndarray:
+        if self.found_magnitudes is None:
+            self.found_magnitudes = self.mag_np[self.found]
+        return self.found_magnitudes
 
     def candidates(self, i: int) -> Positions:
         """Tensor i's candidates: sorted buffer positions."""
@@ -495,35 +525,48 @@ def settle(
     ks: Sequence[int],
     thresholds: Sequence[float],
     rounds: int,
-    floor: Callable[[int], float] | None = None,
+    floors: Sequence[float] | None = None,
 ) -> None:
     """The rest of a threshold sparsifier's ``select`` after its first threshold per tensor:
     count, adjust while outside the band, select, trim (``sparsifier.band`` gives the band and
     the trim cap).
 
-    The first count of every tensor comes from one batched pass. A count inside the band ends
-    the search right there (what ``search_threshold`` does with it), so the selection is that
-    pass's, trimmed in the batch when above the cap. Any other tensor runs the per-tensor
-    search, seeded with the set already found, and the per-tensor ``finish``. ``floor(i)``: the
-    search floor the sparsifier's own ``select`` gives tensor i (see ``search_threshold``), drawn
-    only for a tensor whose first count is under the band.
+    One batched pass makes every tensor's candidates: its positions at ``floors[i]`` where that
+    lies below its threshold (dgc's search floor, drawn from the same sample: the set its own
+    ``select`` prepares first), else at the threshold. Each tensor's search (``ThresholdSearch``,
+    as in ``select``) counts its probes inside that set (``count_at``: on the host on CPU, no
+    tensor op); the chosen set stays in the batch, trimmed there when above the cap. Only a search
+    whose probe falls below the set (it went lower than the floor), a first threshold that is no
+    threshold (0, inf, NaN) or an empty choice is finished by the per-tensor code, which makes
+    the extra pass as ``select`` would.
     """
     usable = [t > 0 and math.isfinite(t) for t in thresholds]
-    counts = batch.at_least(in_dtype([t if ok else math.nan for t, ok in zip(thresholds, usable)], batch.dtype))
+    lows = [
+        f if floors is not None and ok and 0 < f < t else t
+        for t, f, ok in zip(thresholds, floors if floors is not None else thresholds, usable)
+    ]
+    batch.at_least(in_dtype([low if ok else math.nan for low, ok in zip(lows, usable)], batch.dtype))
     over = []
     for i, k in enumerate(ks):
         low, high, cap = sparsifier.band(k)
-        count = counts[i]
-        if usable[i] and low <= count <= high:
-            if count > cap:
-                over.append(i)
-            continue
         flat = tensors[i].reshape(-1)
-        if usable[i]:
-            candidates = Candidates.known(flat, thresholds[i], batch.local(i, batch.candidates(i)))
-        else:
+        if not usable[i]:
             candidates = Candidates(flat)
-        below = floor(i) if floor is not None and usable[i] and count < low else None
-        threshold, _ = search_threshold(candidates, thresholds[i], low, high, rounds, floor=below)
-        batch.replace(i, sparsifier.finish(flat, candidates.select(threshold), k, cap))
+            threshold, _ = search_threshold(candidates, thresholds[i], low, high, rounds)
+            batch.replace(i, sparsifier.finish(flat, candidates.select(threshold), k, cap))
+            continue
+        search = ThresholdSearch(thresholds[i], low, high, rounds, floor=lows[i] if lows[i] < thresholds[i] else None)
+        while search.probe is not None and not search.probe < lows[i]:  # NaN counts nothing, inside the set too
+            search.feed(batch.count_at(i, in_dtype([search.probe], batch.dtype)[0]))
+        if search.probe is not None:
+            candidates = Candidates.known(flat, lows[i], batch.local(i, batch.candidates(i)))
+            while search.probe is not None:
+                search.feed(candidates.count(search.probe))
+            batch.replace(i, sparsifier.finish(flat, candidates.select(search.threshold), k, cap))
+        elif search.count > cap:
+            over.append(i)  # the top k of the set are the top k of the choice: cap >= k
+        elif search.count == 0:
+            batch.replace(i, sparsifier.finish(flat, flat.new_empty(0, dtype=torch.int64), k, cap))
+        elif search.threshold != lows[i]:
+            batch.restrict(i, in_dtype([search.threshold], batch.dtype)[0])
     batch.trim(over, [ks[i] for i in over])

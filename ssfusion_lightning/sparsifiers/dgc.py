@@ -81,8 +81,7 @@ class DGCSparsifier(ThresholdSparsifier):
         """A threshold below the budget's, from the same sample, that selects more than the band's
         top (1.25k) with high probability: the threshold search's bracket from below, so a first
         count under the band costs no second pass (``selection.search_threshold``)."""
-        rank = math.ceil(k * sample.numel() / n)
-        return kth_largest(sample, math.ceil(1.25 * rank + FLOOR_Z * math.sqrt(1.25 * rank)) + 1)
+        return kth_largest(sample, floor_rank(k, sample.numel(), n))
 
     def band(self, k: int) -> tuple[float, float, float]:
         return 0.9 * k, 1.25 * k, k
@@ -120,12 +119,17 @@ class DGCSparsifier(ThresholdSparsifier):
             index = (base + offsets[:, None] % numels) % numels + batch.layout.starts[members][:, None]
             index[pad] = batch.sentinel
             rows.append((index, ranks))
-        thresholds = np.empty(len(ks))
-        thresholds[list(plan.row_of)] = batch.kth_largest(rows)
-        def floor(i: int) -> float:
-            return self.search_floor(self.sample(tensors[i].reshape(-1), keys[i]), ks[i], tensors[i].numel())
+        # every row ranked once for both: the threshold and the search floor (``search_floor``)
+        both = np.empty((len(ks), 2))
+        both[list(plan.row_of)] = batch.kth_largest(rows)
+        batched.settle(self, batch, tensors, ks, both[:, 0].tolist(), self.max_adjust, floors=both[:, 1].tolist())
 
-        batched.settle(self, batch, tensors, ks, thresholds.tolist(), self.max_adjust, floor=floor)
+
+def floor_rank(k: int, size: int, n: int) -> int:
+    """The sample rank of the search floor: the budget's rank with room for 1.25 k and a margin
+    of ``FLOOR_Z`` standard deviations."""
+    rank = math.ceil(k * size / n)
+    return math.ceil(1.25 * rank + FLOOR_Z * math.sqrt(1.25 * rank)) + 1
 
 
 def sample_size(n: int, min_sample: int, ratio: float) -> int:
@@ -138,7 +142,7 @@ class SamplePlan:
 
     ``whole``: index rows of the tensors sampled whole, grouped by width. ``drawn``: for the
     others, per width class, (batch indices, offset-free positions (j * step) mod n, padding
-    mask, ranks); a call adds its step's offsets."""
+    mask, ranks: one (threshold, search floor) pair per row); a call adds its step's offsets."""
 
     whole: list[tuple[np.ndarray, np.ndarray]]
     drawn: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
@@ -152,11 +156,14 @@ def _sample_plan(numels: tuple[int, ...], ks: tuple[int, ...], min_sample: int, 
     whole, whole_ranks, whole_of, drawn, drawn_ranks, drawn_of = [], [], [], [], [], []
     for i, (n, k) in enumerate(zip(numels, ks)):
         size = sample_size(n, min_sample, ratio)
-        rank = max(1, min(math.ceil(k * size / n), size))  # as kth_largest clamps it
+        # (threshold rank, floor rank), clamped as kth_largest clamps them
+        rank = [max(1, min(math.ceil(k * size / n), size)), max(1, min(floor_rank(k, size, n), size))]
         if size >= n:
+            # sampled whole, the threshold is the exact k-th magnitude: its count is at least k,
+            # inside the band or above, so no floor is needed (a floor equal to it is none)
             start = int(layout.starts[i])
             whole.append(np.arange(start, start + n, dtype=np.int64))
-            whole_ranks.append(rank)
+            whole_ranks.append([rank[0], rank[0]])
             whole_of.append(i)
         else:
             drawn.append(batched.weyl_positions(n, size))

@@ -310,50 +310,83 @@ def search_threshold(
     up: float = 1.5,
     floor: float | None = None,
 ) -> tuple[float, int]:
-    """Move ``threshold`` until ``lo <= count <= hi`` or ``rounds`` adjustments are spent.
+    """Move ``threshold`` until ``lo <= count <= hi`` or ``rounds`` adjustments are spent
+    (``ThresholdSearch``, every count made by ``candidates``). Returns the last threshold and its
+    exact count."""
+    search = ThresholdSearch(threshold, lo, hi, rounds, down, up, floor)
+    while search.probe is not None:
+        search.feed(candidates.count(search.probe))
+    return search.threshold, search.count
+
+
+class ThresholdSearch:
+    """The threshold search as a machine: ``probe`` is the next threshold to count (None once the
+    search is over), ``feed`` takes its exact count. The answer depends only on the counts, never
+    on which pass made them, so a batch can count the probes of many searches together.
 
     ``floor``: a lower threshold expected to select more than ``hi``. When the first count is
     below the band and the floor's count is above it, the two bracket the band from the start,
     so the search interpolates between them instead of halving: where the floor's superset was
-    prepared first, no further pass over the tensor is needed. The answer depends only on the
-    counts, never on which pass made them.
+    prepared first, no further pass over the tensor is needed.
 
     Multiplicative steps (``down`` when too few are selected, ``up`` when too many) until the
     target is bracketed by a too-low and a too-high threshold; from the second unbracketed step
     on, the step is extrapolated from the last two probes (log count linear in log threshold)
     and clamped between one and four plain steps, so a fit thrown off by an outlier does not
     need a dozen halvings. Once bracketed, each round interpolates the same way to the band's
-    geometric centre, kept inside the middle 80% of the bracket so it always shrinks. Returns
-    the last threshold and its exact count.
+    geometric centre, kept inside the middle 80% of the bracket so it always shrinks. After the
+    search, ``threshold`` is the last one counted and ``count`` its count.
     """
-    count = candidates.count(threshold)
-    too_low: tuple[float, int] | None = None  # (threshold, count) with count > hi
-    too_high: tuple[float, int] | None = None  # (threshold, count) with count < lo
-    target = math.sqrt(max(lo, 0.5) * max(hi, 0.5))
-    previous: tuple[float, int] | None = None
-    if floor is not None and rounds > 0 and count < lo and 0 < floor < threshold:
-        below = candidates.count(floor)
-        if below > hi:
-            too_low = (floor, below)
-    for _ in range(rounds):
-        if lo <= count <= hi or math.isnan(threshold):
-            break
-        if count < lo:
-            too_high = (threshold, count)
+
+    def __init__(
+        self, threshold: float, lo: float, hi: float, rounds: int, down: float = 0.5, up: float = 1.5,
+        floor: float | None = None,
+    ) -> None:
+        self.threshold = threshold
+        self.count = 0
+        self.probe: float | None = threshold
+        self._lo, self._hi, self._rounds, self._down, self._up = lo, hi, rounds, down, up
+        self._floor = floor
+        self._stage = "first"
+        self._too_low: tuple[float, int] | None = None  # (threshold, count) with count > hi
+        self._too_high: tuple[float, int] | None = None  # (threshold, count) with count < lo
+        self._previous: tuple[float, int] | None = None
+        self._target = math.sqrt(max(lo, 0.5) * max(hi, 0.5))
+
+    def feed(self, count: int) -> None:
+        if self._stage == "floor":
+            if count > self._hi:
+                self._too_low = (self._floor, count)
         else:
-            too_low = (threshold, count)
-        if too_low is not None and too_high is not None:
-            new = _interpolate(too_low, too_high, target)
-        elif count < lo:
-            new = _extrapolate(previous, (threshold, count), target, down)
+            self.count = count
+            floor = self._floor
+            if self._stage == "first" and floor is not None and self._rounds > 0 and count < self._lo and 0 < floor < self.threshold:
+                self._stage, self.probe = "floor", floor
+                return
+        self._stage = "round"
+        self._next()
+
+    def _next(self) -> None:
+        """One round of the search: the next probe, or the end (probe None)."""
+        threshold, count = self.threshold, self.count
+        self.probe = None
+        if self._rounds == 0 or self._lo <= count <= self._hi or math.isnan(threshold):
+            return
+        self._rounds -= 1
+        if count < self._lo:
+            self._too_high = (threshold, count)
+        else:
+            self._too_low = (threshold, count)
+        if self._too_low is not None and self._too_high is not None:
+            new = _interpolate(self._too_low, self._too_high, self._target)
+        elif count < self._lo:
+            new = _extrapolate(self._previous, (threshold, count), self._target, self._down)
         elif threshold > 0:
-            new = _extrapolate(previous, (threshold, count), target, up)
+            new = _extrapolate(self._previous, (threshold, count), self._target, self._up)
         else:
-            break  # everything nonzero is selected already: only trimming can help
-        previous = (threshold, count)
-        threshold = new
-        count = candidates.count(threshold)
-    return threshold, count
+            return  # everything nonzero is selected already: only trimming can help
+        self._previous = (threshold, count)
+        self.threshold = self.probe = new
 
 
 def _extrapolate(previous: tuple[float, int] | None, current: tuple[float, int], target: float, factor: float) -> float:
