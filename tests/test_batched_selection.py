@@ -225,3 +225,32 @@ def test_thresholds_are_compared_in_the_input_dtype():
     (rounded,) = batched.in_dtype([0.2999], torch.bfloat16)
     assert rounded == float(torch.tensor(0.2999).to(torch.bfloat16))
     assert int((x.abs() >= 0.2999).sum()) == int((x.float().abs() >= rounded).sum())
+
+
+def test_dgc_searches_inside_the_batch_without_another_pass(monkeypatch):
+    """dgc's batched pass is made at each tensor's search floor, as its ``select`` prepares it: on
+    a CNN-like buffer the searches of the tensors whose first count leaves the band are counted
+    inside that set, with no per-tensor pass over a tensor, while the loop of ``select`` makes one
+    per tensor whose floor lies below its threshold. The selections stay the loop's."""
+    from ssfusion_lightning.sparsifiers import selection
+
+    passes = []
+    original = selection.indices_at_least
+    monkeypatch.setattr(selection, "indices_at_least", lambda flat, t: passes.append(flat.numel()) or original(flat, t))
+    monkeypatch.setattr(batched, "NUMPY_ON_CPU", True)
+    rng = np.random.default_rng(5)
+    tensors = [torch.from_numpy(rng.standard_normal(int(5000 * 1.5**i)).astype(np.float32)) for i in range(10)]
+    keys = [f"w{i}" for i in range(len(tensors))]
+    searched = 0
+    for step in range(3):
+        looped, many = build_sparsifier("dgc", density=0.01), build_sparsifier("dgc", density=0.01)
+        for sparsifier in (looped, many):
+            sparsifier.step = step
+        expected = [looped.select(t, key=key) for t, key in zip(tensors, keys)]
+        searched += len(passes)
+        passes.clear()
+        got = many.select_many(tensors, keys, [None] * len(tensors))
+        assert passes == []
+        for tensor, g, e in zip(tensors, got, expected):
+            assert_same_selection(tensor, g, e)
+    assert searched > 0  # the loop did prepare floors: the batch saved those passes
