@@ -322,6 +322,7 @@ def plan_summary(engine: Any) -> dict[str, Any]:
             "plan_sparse_elements": sum(b.sparse_numel for b in buffers),
             "plan_sparse_k": sum(slot.k for b in buffers for slot in b.sparse_slots),
             "plan_comm": ";".join(str(c) for c in choices),
+            "plan_offloaded": len(engine.offloaded_positions),
             "plan_costs": None if costs is None else {
                 "allreduce": [costs.allreduce.alpha, costs.allreduce.beta],
                 "allgather": [costs.allgather.alpha, costs.allgather.beta],

@@ -301,6 +301,11 @@ class FusionEngine:
         return decide(plan, self.costs)
 
     @property
+    def offloaded_positions(self) -> frozenset[int]:
+        """Positions of the parameters the current plan compresses on the offload worker."""
+        return self._offloaded
+
+    @property
     def profiling(self) -> bool:
         return self._profiler is not None and self._profile_start <= self.step < self._profile_end
 
