@@ -74,3 +74,50 @@ def every_policy_and_communicator_at_full_density():
 def test_full_density_topk_equals_ddp_for_every_policy_and_communicator(pool2):
     for rank, differing in enumerate(pool2.run(every_policy_and_communicator_at_full_density)):
         assert not differing, f"rank {rank}: max |difference| from DDP per combination: {differing}"
+
+
+def fit_and_get_state(strategy, **trainer_kwargs) -> dict[str, torch.Tensor]:
+    """A BatchNorm regressor's parameters, buffers (running statistics, which a training forward
+    updates from the rank's own batch) and, with validation, its last validation loss (an eval
+    forward reads the running statistics)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from tests.workloads import Regressor, make_trainer, regression_data
+
+    L.seed_everything(0, verbose=False)
+    model = Regressor("batchnorm")
+    loader = DataLoader(regression_data(), batch_size=16)
+    trainer = make_trainer(strategy, 6, **trainer_kwargs)
+    trainer.fit(model, loader, loader if trainer_kwargs.get("limit_val_batches") else None)
+    state = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    if "val_loss" in trainer.callback_metrics:
+        state["val_loss"] = trainer.callback_metrics["val_loss"].detach().clone()
+    return state
+
+
+def buffers_pair(trainer_kwargs: dict):
+    return fit_and_get_state("ddp", **trainer_kwargs), fit_and_get_state(ssf.SSFusionStrategy(**DENSE), **trainer_kwargs)
+
+
+@pytest.mark.parametrize(
+    "trainer_kwargs",
+    [{}, {"accumulate_grad_batches": 2}, {"limit_val_batches": 2, "val_check_interval": 2}],
+    ids=["plain", "accumulate2", "validation"],
+)
+def test_buffers_equal_ddps_on_every_rank(pool2, trainer_kwargs):
+    """DDP broadcasts rank 0's buffers in front of each forward that follows a synchronized one;
+    the strategy starts that broadcast right after the forward before and writes it in front of the
+    next. Every rank ends with DDP's buffers (its own last batch's update on rank 0's statistics)."""
+    results = pool2.run(buffers_pair, trainer_kwargs)
+    for rank, (reference, ours) in enumerate(results):
+        assert reference.keys() == ours.keys()
+        for name in reference:
+            assert torch.equal(reference[name], ours[name]), f"rank {rank}: {name} differs from DDP"
+    means = [ours["net.1.running_mean"] for _, ours in results]
+    if "limit_val_batches" in trainer_kwargs:
+        # the run ends with a validation, whose eval forward got rank 0's statistics on every rank
+        assert "val_loss" in results[0][1] and torch.equal(means[0], means[1])
+    else:
+        # each rank's last batch updated rank 0's statistics: they differ, so DDP's are not trivial
+        assert not torch.equal(means[0], means[1])
