@@ -30,7 +30,6 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from ssfusion_lightning.buffer_broadcast import BufferBroadcast
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.comm.topology import Hierarchy, create_hierarchy
 from ssfusion_lightning.engine.engine import NONFINITE_POLICIES, EngineConfig, FusionEngine
@@ -300,7 +299,6 @@ class SSFusionStrategy(DDPStrategy):
         self.last_metrics: StepMetrics = StepMetrics()
         self._groups: list[dist.ProcessGroup] = []
         self._buffers_due = True
-        self._buffer_broadcast: BufferBroadcast | None = None
         self._restored_state: dict[str, Any] | None = None
         self._final_engine_state: dict[str, Any] | None = None
 
@@ -332,8 +330,6 @@ class SSFusionStrategy(DDPStrategy):
         self._check_same_config_on_all_ranks()
         _sync_module_states(self.model)
         self.engine = self._build_engine()
-        if self.broadcast_buffers and _distributed_is_initialized():
-            self._buffer_broadcast = BufferBroadcast(list(self.model.buffers()))
         if self._restored_state is not None:
             self._restore_engine(self._restored_state)
             self._restored_state = None
@@ -471,11 +467,6 @@ class SSFusionStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._buffer_broadcast is not None:
-            # DDP would write it at a next forward: that of a next fit, which broadcasts anew
-            self._buffers_due = self._buffers_due or self._buffer_broadcast.pending
-            self._buffer_broadcast.cancel()
-            self._buffer_broadcast = None
         if self.engine is not None:
             # trainer.save_checkpoint() after fit() must still carry every rank's engine state
             self._final_engine_state = self.engine.state_dict()
@@ -510,9 +501,7 @@ class SSFusionStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any):
         self._sync_buffers_before_forward()
-        output = super().training_step(*args, **kwargs)
-        self._start_buffer_sync_after_forward()
-        return output
+        return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any):
@@ -520,20 +509,14 @@ class SSFusionStrategy(DDPStrategy):
         return super().validation_step(*args, **kwargs)
 
     def _sync_buffers_before_forward(self) -> None:
-        """DDP's rule: rank 0's buffers on every rank before a forward that follows a synchronized
-        one. The broadcast was started right after that forward (buffer_broadcast.py); only the
-        first forward of a fit, or one after a broadcast was cancelled, waits for a whole one."""
-        if self._buffer_broadcast is None:
+        """DDP's rule: broadcast buffers from rank 0 before a forward that follows a synchronized one."""
+        if self.engine is None:
             return
-        if self._buffers_due and not self._buffer_broadcast.pending:
-            self._buffer_broadcast.start()
-        self._buffer_broadcast.apply()
-        self._buffers_due = False
-
-    def _start_buffer_sync_after_forward(self) -> None:
-        """A synchronized training forward makes the broadcast due at the next forward: start it now."""
-        if self._buffer_broadcast is not None and torch.is_grad_enabled() and self.engine.sync_enabled:
-            self._buffer_broadcast.start()
+        if self.broadcast_buffers and self._buffers_due and _distributed_is_initialized():
+            buffers = [b for b in self.model.buffers() if b.numel() > 0]
+            if buffers:
+                dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 1024 * 1024, 0)
+        self._buffers_due = torch.is_grad_enabled() and self.engine.sync_enabled
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
