@@ -49,7 +49,13 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.sparsifiers.base import check_many
-from ssfusion_lightning.sparsifiers.selection import Candidates, ThresholdSearch, search_threshold, topk_positions, weyl_step
+from ssfusion_lightning.sparsifiers.selection import (
+    Candidates,
+    ThresholdSearch,
+    search_threshold,
+    topk_positions,
+    weyl_step,
+)
 
 if TYPE_CHECKING:
     from ssfusion_lightning.sparsifiers.base import Sparsifier, ThresholdSparsifier
