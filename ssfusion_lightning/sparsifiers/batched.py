@@ -327,10 +327,10 @@ class FlatBatch:
             for i, k in zip(items, ks):
                 self._trim_one(i, k)
             return
-        keep, magnitudes_of, found = self._keep(), self.mag_np, self.found
+        keep, found_magnitudes = self._keep(), self._found_magnitudes()
         for i, k in zip(items, ks):
             a, b = int(self.first[i]), int(self.last[i])
-            magnitudes = magnitudes_of[found[a:b]]
+            magnitudes = found_magnitudes[a:b]
             cut = np.partition(magnitudes, b - a - k)[b - a - k]
             chosen = magnitudes >= cut
             if np.count_nonzero(chosen) == k:
@@ -341,7 +341,7 @@ class FlatBatch:
     def _trim_one(self, i: int, k: int) -> None:
         a, b = int(self.first[i]), int(self.last[i])
         if self.cpu:
-            magnitudes = self.mag_np[self.found[a:b]]
+            magnitudes = self._found_magnitudes()[a:b]
             chosen = lowest_ties_np(magnitudes, np.argpartition(magnitudes, b - a - k)[b - a - k :], k)
         else:
             chosen = topk_positions(self.mag[self.found[a:b]], k)
