@@ -3,6 +3,7 @@ simulate.py, gpu/bench_gpu.py) and of REPORT.md's generated numbers against the 
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -293,6 +294,40 @@ def test_comm_choice_compares_auto_with_the_best_fixed_scheme_of_the_same_cell()
     assert "| 2 | resnet18 | 40mbit | auto | 3 | 0.520 | 2 |" in table
     assert "| 2 | resnet18 | 40mbit | allgather | 3 | 0.500 | 1 |" in table and "| allgather | 5 | 0.520 | 1 |" in table
     assert "| zen |" not in table.split("Step / ddp by the buffers")[1]  # runs without a buffer count stay out
+
+
+def test_comm_choice_pairs_the_runs_of_one_launch():
+    from experiments import bench_comm_choice
+
+    args = argparse.Namespace(rates=["150mbit"], workloads=["resnet18"], pairs=2)
+    chosen = bench_comm_choice.variants(["allgather"])
+    (phase,) = bench_comm_choice.launch_phases(args, chosen, repeat=0)
+    order = [(r["scheme"], r.get("variant"), r["rep"]) for r in phase["runs"]]
+    # ddp beside every pair, the variants' order reversed in the second pair, the hooks once
+    assert order == [("ddp", None, 0), ("ssfusion", "auto", 0), ("ssfusion", "allgather", 0), ("ddp_powersgd", None, 0),
+                     ("ddp_powersgd4", None, 0), ("ddp", None, 1), ("ssfusion", "allgather", 1), ("ssfusion", "auto", 1)]
+    assert phase["runs"][1]["overrides"] == {"comm": "auto"} and phase["runs"][0]["warmup"] < phase["runs"][1]["warmup"]
+
+    def record(scheme, rep, seconds, variant=None, **extra):
+        return {"world": 2, "workload": "resnet18", "phase": "150mbit", "scheme": scheme, "rep": rep, "warmup": 1,
+                "step_seconds": [9.0, *seconds], **({"variant": variant} if variant else {}), **extra}
+
+    # launch 0 fast, launch 1 slow (every run 1.5x): across launches the medians mix the modes,
+    # pairs compare runs of one mode
+    records = [[record("ddp", 0, [0.2]), record("ssfusion", 0, [s * 0.050], "auto", plan_comm="allgather;allgather"),
+                record("ssfusion", 0, [s * 0.049], "allgather"), record("ddp_powersgd", 0, [s * 0.04])]
+               for s in (1.0, 1.5)]
+    rows = bench_comm_choice.rows_of(records[0], 0) + bench_comm_choice.rows_of(records[1], 1)
+    assert [r["pair"] for r in rows] == ["0.0"] * 3 + ["1.0"] * 3
+    assert rows[0]["choices"] == "allgather:2" and rows[1]["choices"] == "" and rows[0]["x_ddp_step"] == "0.250"
+    (cell_,) = bench_comm_choice.summarize(rows)
+    assert cell_["best_fixed"] == "allgather" and cell_["paired"] == pytest.approx(0.050 / 0.049)
+    assert cell_["met"] and cell_["medians"]["ddp_powersgd"] == pytest.approx((0.2 + 0.3) / 2)
+    table = bench_comm_choice.markdown([cell_], ["allgather"], {"repeats": 2, "pairs": 1}, rows)
+    assert "2 launches, every variant 1 times in each" in table and "| 1.020 | 1.020 | yes |" in table
+    # a failed run or one without a ddp beside it gives no row
+    assert bench_comm_choice.rows_of([record("ssfusion", 0, [0.05], "auto")], 0) == []
+    assert bench_comm_choice.rows_of([record("ddp", 0, [0.2]), record("ssfusion", 0, [0.05], "auto", error="boom")], 0) == []
 
 
 @pytest.mark.skipif(not (RESULTS / "comm_choice.csv").exists(), reason="no committed comm_choice results")
