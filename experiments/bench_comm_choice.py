@@ -55,8 +55,12 @@ TOLERANCE = 1.05
 STEPS, WARMUP = 14, 6
 
 
-def variants(schemes: list[str]) -> dict[str, dict]:
-    return {"auto": {"comm": "auto"}, **{scheme: {"comm": scheme} for scheme in schemes}}
+def variants(schemes: list[str], extra: dict[str, dict] | None = None) -> dict[str, dict]:
+    """auto, every fixed scheme, and ``extra`` named engine options (shown, never the best fixed scheme)."""
+    clash = set(extra or ()) & {"auto", *SCHEMES, *HOOKS}
+    if clash:
+        raise ValueError(f"extra variants may not be named {sorted(clash)}: those names are taken")
+    return {"auto": {"comm": "auto"}, **{scheme: {"comm": scheme} for scheme in schemes}, **(extra or {})}
 
 
 def choices_of(record: dict[str, Any]) -> str:
@@ -114,7 +118,7 @@ def rows_of(records: list[dict[str, Any]], repeat: int) -> list[dict]:
 
 def run(args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
-    chosen = variants(args.comms)
+    chosen = variants(args.comms, args.extra_variants)
     with tempfile.TemporaryDirectory() as scratch:
         for repeat in range(args.repeats):
             for world in args.worlds:
@@ -240,12 +244,13 @@ def plot(summary: list[dict], comms: list[str], path: Path) -> None:
 
 def write_outputs(rows: list[dict], out: Path, name: str, meta: dict) -> str:
     summary = summarize(rows)
-    text = markdown(summary, meta["comms"], meta, rows)
+    shown = meta["comms"] + list(meta.get("extra_variants") or {})
+    text = markdown(summary, shown, meta, rows)
     (out / f"{name}.md").write_text(
         f"# comm=auto against the fixed collectives (emulated cluster)\n\nCommand: `python -m experiments.bench_comm_choice "
         f"{' '.join(meta.get('argv', []))}`\n\n{text}"
     )
-    plot(summary, meta["comms"], out / f"{name}.png")
+    plot(summary, shown, out / f"{name}.png")
     if name == "comm_choice" and out.resolve() == RESULTS.resolve() and update_report(text, marker="comm-choice"):
         print("updated the comm-choice block of experiments/REPORT.md")
     return text
@@ -254,6 +259,8 @@ def write_outputs(rows: list[dict], out: Path, name: str, meta: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comms", nargs="+", default=list(SCHEMES), choices=SCHEMES, help="the fixed schemes")
+    parser.add_argument("--extra-variants", type=json.loads, default=None,
+                        help='more variants of the preset, shown beside the others, as JSON: {"name": {strategy options}}')
     parser.add_argument("--repeats", type=int, default=2, help="launches per P")
     parser.add_argument("--pairs", type=int, default=2, help="runs of every variant in each launch, side by side")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -272,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         print(write_outputs(read_csv(args.out / f"{args.name}.csv"), args.out, args.name, json.loads(meta_path.read_text())))
         return
     rows = run(args)
-    meta = {"argv": argv if argv is not None else sys.argv[1:], "comms": args.comms, "repeats": args.repeats, "pairs": args.pairs,
+    meta = {"argv": argv if argv is not None else sys.argv[1:], "comms": args.comms, "extra_variants": args.extra_variants, "repeats": args.repeats, "pairs": args.pairs,
             "worlds": args.worlds, "rates": args.rates, "workloads": args.workloads}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     write_csv(args.out / f"{args.name}.csv", FIELDS, rows)

@@ -307,6 +307,10 @@ def test_comm_choice_pairs_the_runs_of_one_launch():
     assert order == [("ddp", None, 0), ("ssfusion", "auto", 0), ("ssfusion", "allgather", 0), ("ddp_powersgd", None, 0),
                      ("ddp_powersgd4", None, 0), ("ddp", None, 1), ("ssfusion", "allgather", 1), ("ssfusion", "auto", 1)]
     assert phase["runs"][1]["overrides"] == {"comm": "auto"} and phase["runs"][0]["warmup"] < phase["runs"][1]["warmup"]
+    # extra variants run beside the others, under names no scheme or hook has
+    assert bench_comm_choice.variants(["allgather"], {"hybrid": {"comm": "hybrid"}})["hybrid"] == {"comm": "hybrid"}
+    with pytest.raises(ValueError, match="zen"):
+        bench_comm_choice.variants(["allgather"], {"zen": {"comm": "hybrid"}})
 
     def record(scheme, rep, seconds, variant=None, **extra):
         return {"world": 2, "workload": "resnet18", "phase": "150mbit", "scheme": scheme, "rep": rep, "warmup": 1,

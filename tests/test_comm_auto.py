@@ -603,6 +603,17 @@ def test_auto_runs_relay_as_the_hierarchical_sync_with_its_node_step_pinned():
     assert (runner.name, runner.cross, runner.node) == ("hierarchical", "allgather", RELAY)
 
 
+def test_auto_runs_a_flat_scheme_as_that_scheme_pinned():
+    """A buffer auto puts on a scheme communicates as ``comm=<scheme>`` would: allgather keeps the
+    dense part on the allgather's channel (no hybrid split), and zen is zen, not zen-or-sparcml."""
+    auto = COMMUNICATORS.build("auto")
+    for scheme in SCHEMES:
+        runner, pinned = auto._runners[scheme], COMMUNICATORS.build(scheme)
+        assert type(runner) is type(pinned), scheme
+        assert getattr(runner, "split", None) == getattr(pinned, "split", None), scheme
+    assert auto._runners["allgather"].split is False and auto._runners["zen"].choice == "zen"
+
+
 def fallback_run() -> dict:
     """ahead/topk at 10% under auto: three sparse rounds leave residuals, then costs that make
     sparsifying a loss (a fast link, an expensive selection) re-plan every buffer dense. The first
