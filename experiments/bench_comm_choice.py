@@ -51,7 +51,7 @@ FIELDS = ("variant", "repeat", "pair", "world", "workload", "rate", "scheme", "s
 HOOKS = ("ddp_powersgd", "ddp_powersgd4")
 #: auto may be this much slower than the best fixed scheme (issue 16)
 TOLERANCE = 1.05
-#: steps per engine run and the first ones left out (bench_e2e's defaults); DDP runs leave out fewer
+#: steps per engine run (bench_e2e's default; ``--steps``) and the first ones left out; DDP runs leave out fewer
 STEPS, WARMUP = 14, 6
 
 
@@ -69,9 +69,9 @@ def choices_of(record: dict[str, Any]) -> str:
     return " ".join(f"{c}:{n}" for c, n in sorted(counts.items()))
 
 
-def run_spec(workload: str, scheme: str, pair: int) -> dict[str, Any]:
+def run_spec(workload: str, scheme: str, pair: int, steps: int = STEPS) -> dict[str, Any]:
     warmup = min(WARMUP, DDP_WARMUP) if scheme in DDP_SCHEMES else WARMUP
-    return {"workload": workload, "scheme": scheme, "rep": pair, "seed": 0, "steps": STEPS - (WARMUP - warmup),
+    return {"workload": workload, "scheme": scheme, "rep": pair, "seed": 0, "steps": steps - (WARMUP - warmup),
             "warmup": warmup, "eval": False}
 
 
@@ -84,10 +84,10 @@ def launch_phases(args: argparse.Namespace, chosen: dict[str, dict], repeat: int
         for workload in args.workloads:
             for pair in range(args.pairs):
                 order = list(chosen) if (repeat + pair) % 2 == 0 else list(reversed(chosen))
-                runs.append(run_spec(workload, "ddp", pair))
-                runs += [{**run_spec(workload, "ssfusion", pair), "overrides": chosen[v], "variant": v} for v in order]
+                runs.append(run_spec(workload, "ddp", pair, args.steps))
+                runs += [{**run_spec(workload, "ssfusion", pair, args.steps), "overrides": chosen[v], "variant": v} for v in order]
                 if pair == 0:
-                    runs += [run_spec(workload, hook, pair) for hook in HOOKS]
+                    runs += [run_spec(workload, hook, pair, args.steps) for hook in HOOKS]
         phases.append({"label": rate, "runs": runs})
     return phases
 
@@ -242,9 +242,14 @@ def plot(summary: list[dict], comms: list[str], path: Path) -> None:
     save_figure(fig, path)
 
 
+def shown_variants(meta: dict) -> list[str]:
+    """The variants of a run's table besides auto and the hooks: the fixed schemes, then the extra ones."""
+    return list(meta["comms"]) + list(meta.get("extra_variants") or {})
+
+
 def write_outputs(rows: list[dict], out: Path, name: str, meta: dict) -> str:
     summary = summarize(rows)
-    shown = meta["comms"] + list(meta.get("extra_variants") or {})
+    shown = shown_variants(meta)
     text = markdown(summary, shown, meta, rows)
     (out / f"{name}.md").write_text(
         f"# comm=auto against the fixed collectives (emulated cluster)\n\nCommand: `python -m experiments.bench_comm_choice "
@@ -269,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="comm_choice")
     parser.add_argument("--from-csv", action="store_true", help="only rebuild the tables and plot from <out>/<name>.csv")
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help=f"steps per engine run, the first {WARMUP} left out (DDP runs: as many measured steps)")
     parser.add_argument("--timeout", type=float, default=2400, help="seconds per launch")
     parser.add_argument("--nice", type=int, default=-5, help="niceness of the rank processes (as bench_e2e's)")
     args = parser.parse_args(argv)
@@ -279,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         print(write_outputs(read_csv(args.out / f"{args.name}.csv"), args.out, args.name, json.loads(meta_path.read_text())))
         return
     rows = run(args)
-    meta = {"argv": argv if argv is not None else sys.argv[1:], "comms": args.comms, "extra_variants": args.extra_variants, "repeats": args.repeats, "pairs": args.pairs,
+    meta = {"argv": argv if argv is not None else sys.argv[1:], "comms": args.comms, "extra_variants": args.extra_variants, "repeats": args.repeats, "pairs": args.pairs, "steps": args.steps,
             "worlds": args.worlds, "rates": args.rates, "workloads": args.workloads}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     write_csv(args.out / f"{args.name}.csv", FIELDS, rows)
