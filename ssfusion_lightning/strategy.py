@@ -434,6 +434,8 @@ class SSFusionStrategy(DDPStrategy):
             taken = memory.take_momentum_from(self.optimizers)
             if taken is not None:
                 log.info("ssfusion: memory='dgc' applies the optimizer's momentum %s (momentum correction); the optimizer's is now 0", taken)
+            elif (note := memory.untaken_momentum(self.optimizers)) is not None:
+                rank_zero_warn(note)
 
     @override
     def on_train_start(self) -> None:

@@ -279,6 +279,36 @@ def test_dgc_memory_takes_over_the_sgd_momentum_and_trains_like_ddp(pool2):
     assert torch.equal(ours[0][0], ours[1][0])
 
 
+def adam_under_dgc_memory_run(momentum):
+    import warnings
+
+    from ssfusion_lightning.strategy import SSFusionStrategy
+    from tests.workloads import Regressor, make_trainer, regression_data
+
+    class AdamRegressor(Regressor):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    L.seed_everything(4, verbose=False)
+    strategy = SSFusionStrategy(
+        sparsifier="topk", density=0.1, memory="dgc", memory_options={"momentum": momentum}, fusion="ahead",
+        comm="allgather", offload="none",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(strategy, 2).fit(AdamRegressor(), DataLoader(regression_data(), batch_size=16))
+    return [str(w.message) for w in caught if "memory='dgc'" in str(w.message)]
+
+
+def test_dgc_memory_warns_when_it_finds_no_momentum_to_take_over(pool2):
+    # with Adam the memory's own momentum 0.9 accumulates the gradients Adam then steps with:
+    # a second momentum nobody asked for, so rank 0 says so once; with momentum 0 it is silent
+    noted = pool2.run(adam_under_dgc_memory_run, 0.9)
+    assert len(noted[0]) == 1 and noted[1] == []
+    assert "optimizers: Adam" in noted[0][0] and "momentum 0.9" in noted[0][0]
+    assert pool2.run(adam_under_dgc_memory_run, 0.0) == [[], []]
+
+
 def test_dgc_memory_refuses_momentum_it_cannot_apply():
     from ssfusion_lightning.sparsifiers import build_memory
 

@@ -269,6 +269,20 @@ class DGCMemory(Memory):
             group["momentum"] = 0.0
         return self.momentum
 
+    def untaken_momentum(self, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
+        """Why the user should know, when ``take_momentum_from`` found no momentum to take over and
+        this memory still applies its own (None when it applies none): with Adam, or SGD without
+        momentum, the optimizer then steps with momentum-accumulated gradients."""
+        if not self.momentum:
+            return None
+        names = ", ".join(sorted({type(opt).__name__ for opt in optimizers})) or "none"
+        return (
+            f"memory='dgc' found no SGD optimizer with momentum to take over (optimizers: {names}), so it applies "
+            f"its own momentum {self.momentum} to the gradients before the optimizer steps with them, on top of any "
+            "moments the optimizer keeps itself; memory='residual' is plain error feedback, and "
+            "memory_options={'momentum': 0} keeps memory='dgc' without momentum"
+        )
+
     def _clip_factor(self, grad: Tensor, loss_scale: Tensor | None) -> float | None:
         if self.clip_norm is None:
             return None
