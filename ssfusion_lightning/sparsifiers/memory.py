@@ -270,9 +270,9 @@ class DGCMemory(Memory):
         return self.momentum
 
     def untaken_momentum(self, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
-        """Why the user should know, when ``take_momentum_from`` found no momentum to take over and
-        this memory still applies its own (None when it applies none): with Adam, or SGD without
-        momentum, the optimizer then steps with momentum-accumulated gradients."""
+        """The warning for when ``take_momentum_from`` found no momentum to take over and this memory
+        still applies its own (None when it applies none): with Adam, or SGD without momentum, the
+        optimizer then steps with gradients this memory has accumulated with momentum."""
         if not self.momentum:
             return None
         names = ", ".join(sorted({type(opt).__name__ for opt in optimizers})) or "none"
