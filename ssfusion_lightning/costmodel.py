@@ -44,6 +44,9 @@ class CostProfile:
     #: 0 with a free core beside the backward, 1 with one core per rank, where an offloaded
     #: selection or a channel thread's collective is taken from the backward
     serial_cpu: float = 0.0
+    #: the dense trial measured whole dense steps at most as long as sparse ones (``engine/trial.py``):
+    #: comm=auto's fallback then sends every buffer dense
+    dense_measured_faster: bool = False
 
     def compress_seconds(self, numel: int) -> float:
         return self.compress_fixed + self.compress_per_element * numel

@@ -80,3 +80,32 @@ def test_every_scheme_but_ddp_gets_the_longer_budget_and_an_evaluation_at_ddps_s
     assert runs[1]["eval_at"] == [10, 20, 25]
     assert runs[2]["eval_at"] == [10, 20, 25, 30, 40, 50]
     assert all(r["equal_steps"] == 25 for r in runs)
+
+
+def test_pooled_gaps_compare_each_run_with_its_own_launchs_ddp(tmp_path):
+    # two launches: the same scheme ends 2 points under DDP in one and 1 point over in the other;
+    # the averaged gap spans DDP's last three evaluations, and a run that stopped early is left out
+    from experiments import tta_pool
+
+    fields = "world,rate,workload,seed,label,scheme,density,step,seconds,val_loss,val_acc"
+    launches = {
+        "a_curve.csv": {("0", "ddp"): [0.90, 0.92, 0.94], ("0", "zen@0.1%"): [0.80, 0.90, 0.92]},
+        "b_curve.csv": {("0", "ddp"): [0.90, 0.90, 0.90], ("0", "zen@0.1%"): [0.93, 0.91, 0.91],
+                        ("1", "ddp"): [0.5, 0.6, 0.7], ("1", "zen@0.1%"): [0.5, 0.6]},
+    }
+    paths = []
+    for name, curves in launches.items():
+        lines = [fields] + [
+            f"4,40mbit,digits,{seed},{label},{label},,{10 * (i + 1)},{i},0,{acc}"
+            for (seed, label), accs in curves.items() for i, acc in enumerate(accs)
+        ]
+        paths.append(tmp_path / name)
+        paths[-1].write_text("\n".join(lines) + "\n")
+    gaps = [gap for path in paths for gap in tta_pool.run_gaps(path)]
+    assert [(g["launch"], round(g["final"], 6), round(g["averaged"], 6)) for g in gaps] == [
+        ("a", -2.0, round(100 * (2.62 - 2.76) / 3, 6)),  # (80 + 90 + 92 - 90 - 92 - 94) / 3
+        ("b", 1.0, round(100 * (2.75 - 2.70) / 3, 6)),
+    ]
+    assert "| zen@0.1% | 2 | 2 | -0.50 (-0.50) |" in tta_pool.table(gaps, band=1.0)
+    assert tta_pool.main([*map(str, paths), "--out", str(tmp_path), "--name", "pool"]) == 0
+    assert (tmp_path / "pool.md").exists() and (tmp_path / "pool.png").exists()

@@ -93,6 +93,9 @@ class AutoCommunicator(Communicator):
     ``dense_fallback``: send a buffer dense where that is modelled faster than sparsifying it
     (see the module doc), when allreduce (flat or hierarchical) is a candidate; False keeps every
     planned selection.
+    ``dense_trial_steps``: with the fallback, once the costs are measured, time this many steps of
+    the sparse plan and, where the link leaves dense a chance, as many sent dense, and keep the
+    faster (``engine/trial.py``); 0 leaves the choice to the model alone.
     """
 
     name = "auto"
@@ -100,14 +103,19 @@ class AutoCommunicator(Communicator):
     may_use_hierarchy = True
     sums_dense = True  # every candidate all-reduces the dense part
 
-    def __init__(self, schemes: Sequence[str] = CANDIDATES, dense_fallback: bool = True, **options: Any) -> None:
+    def __init__(
+        self, schemes: Sequence[str] = CANDIDATES, dense_fallback: bool = True, dense_trial_steps: int = 5, **options: Any
+    ) -> None:
         super().__init__(**options)
         if isinstance(schemes, str) or not schemes or any(s not in CANDIDATES for s in schemes):
             raise ValueError(f"auto communicator: schemes must be a non-empty list of {', '.join(CANDIDATES)}; got {schemes!r}")
         if not isinstance(dense_fallback, bool):
             raise ValueError(f"auto communicator: dense_fallback must be true or false, got {dense_fallback!r}")
         self.schemes = tuple(s for s in CANDIDATES if s in schemes)  # one order, whatever order was given
+        if isinstance(dense_trial_steps, bool) or not isinstance(dense_trial_steps, int) or dense_trial_steps < 0:
+            raise ValueError(f"auto communicator: dense_trial_steps must be an integer >= 0, got {dense_trial_steps!r}")
         self.dense_fallback = dense_fallback
+        self.dense_trial_steps = dense_trial_steps if dense_fallback else 0
         self.exact = not any(s.endswith("oktopk") for s in self.schemes)
         self._runners = {s: _runner_for(s) for s in (*self.schemes, UNASSIGNED)}
         self._samples: list[tuple[int, int, float]] = []  # (N, k, K) of exact sums before costs
@@ -133,7 +141,7 @@ class AutoCommunicator(Communicator):
                 whole = BufferShape(buffer.numel, 0, 0, value_bytes, shape.index_bytes)
                 dense = choose_scheme(whole, links, dense_candidates, costs.selection_spread, hierarchy)
                 dense_seconds = scheme_seconds(dense, whole, links, costs.selection_spread, hierarchy)
-                if dense_seconds < seconds + compress:
+                if costs.dense_measured_faster or dense_seconds < seconds + compress:
                     chosen, note, shape, seconds, compress = buffer.densified(dense), DENSE, whole, dense_seconds, 0.0
             buffers.append(chosen)
             notes.append(note)

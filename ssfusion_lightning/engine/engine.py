@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import logging
 import math
 import time
 from concurrent.futures import Future
@@ -45,6 +46,7 @@ from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradie
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
 from ssfusion_lightning.engine.round import Round
+from ssfusion_lightning.engine.trial import SPARSE, DenseTrial
 from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.fusion.cut import recut_dense_runs
@@ -52,6 +54,8 @@ from ssfusion_lightning.sparsifiers import Memory, Sparsifier
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
 from ssfusion_lightning.timeline import Timeline
 from ssfusion_lightning.vocabulary import Buffer, Encoded, ParamSpec, Plan, Slot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -221,6 +225,9 @@ class FusionEngine:
         self._profile_start = max(1, config.warmup_steps)
         self._profile_end = self._profile_start + config.profile_steps if needs_profile else 0
         self._profiler = Profiler(self.names) if needs_profile else None
+        trial_steps = communicator.dense_trial_steps if self.world_size > 1 and not sparsifier.is_dense else 0
+        self._trial = DenseTrial(trial_steps) if trial_steps and needs_profile else None
+        self._step_mark: float | None = None  # where the last round's bookkeeping ended: step times
         self.target_density = sparsifier.density
         self._apply_density_schedule()
         self.set_plan(reversed_buffers(self._build_plan(list(range(len(self.params)))), len(channels)))
@@ -650,8 +657,9 @@ class FusionEngine:
 
     def _next_round(self, agreement: Agreement) -> None:
         """A new round, on a new plan where one is due: from rank 0's gradient-ready order (after
-        the first round), from the agreed costs (once the profiled rounds are over), or at the
-        density the schedule asks for."""
+        the first round), from the agreed costs (once the profiled rounds are over), at the
+        density the schedule asks for, or where the dense trial switches plans."""
+        elapsed = None if self._step_mark is None else time.perf_counter() - self._step_mark
         density_changed = self._apply_density_schedule()
         ready_order = agreement.ready_order()
         if ready_order is not None:
@@ -664,8 +672,63 @@ class FusionEngine:
             self.set_plan(self._build_plan(self.order, self.costs))
         elif density_changed:
             self.set_plan(self._build_plan(self.order, self.costs))
+        elif elapsed is not None and self._trial_running():
+            self._trial_step(elapsed)
         else:
             self._new_round()
+        self._step_mark = time.perf_counter()
+
+    # ---------------------------------------------------------------- the dense trial
+    def _trial_running(self) -> bool:
+        """The step that just ended ran on the plan of the agreed costs at the target density, and
+        that plan sparsifies something (or is the trial's dense one)."""
+        return (
+            self._trial is not None and self._trial.active and self.costs is not None
+            and self.step > self._profile_end and self.sparsifier.density == self.target_density
+            and (self.costs.dense_measured_faster or any(buffer.sparse_slots for buffer in self.plan.buffers))
+        )
+
+    def _trial_step(self, seconds: float) -> None:
+        trial = self._trial
+        if not trial.record(seconds):
+            self._new_round()
+        elif trial.phase == SPARSE:
+            if trial.end_sparse(self._agreed_max, self._dense_floor()):
+                self._send_all_dense(True)
+            else:
+                self._new_round()
+        else:
+            keep = trial.end_dense(self._agreed_max)
+            if self.world_size > 1 and dist.get_rank() == 0:
+                log.info(
+                    "ssfusion: dense trial: %.3g ms a step dense, %.3g ms sparse -> %s",
+                    1e3 * trial.dense_seconds, 1e3 * trial.sparse_seconds, "dense" if keep else "sparse",
+                )
+            if keep:
+                self._new_round()
+            else:
+                self._send_all_dense(False)
+
+    def _send_all_dense(self, dense: bool) -> None:
+        """Re-plan with the communicator's fallback sending every buffer dense (or not)."""
+        self.costs = replace(self.costs, dense_measured_faster=dense)
+        self.set_plan(self._build_plan(self.order, self.costs))
+
+    def _dense_floor(self) -> float:
+        """The modelled dense all-reduce of every parameter in one message: no dense step is shorter."""
+        total_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        return self.costs.dense_seconds(total_bytes, 1)
+
+    def _agreed_max(self, value: float) -> float:
+        """The max of ``value`` over the ranks, on the first channel's group (it is idle between rounds)."""
+        device = self.channels.device
+
+        def agree_max(group: dist.ProcessGroup | None) -> float:
+            tensor = torch.tensor([value], dtype=torch.float64, device=device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+            return float(tensor.item())
+
+        return self._settle(self.channels[0].submit(agree_max), "dense-trial agreement")
 
     def _agree_costs(self, group: dist.ProcessGroup | None) -> CostProfile:
         """Measure the links on this group, then take every number's max over the ranks."""
@@ -790,6 +853,7 @@ class FusionEngine:
             "memory": engine_state.plain(self.memory.state_dict(), "memory state"),
             "communicator": engine_state.plain(self.communicator.state_dict(), "communicator state"),
             "accumulated": self._accumulated.saved(self.names, self.params),
+            "trial": None if self._trial is None else self._trial.state_dict(),
         }
 
     def check_state(self, state: Any) -> dict[str, Any]:
@@ -811,6 +875,8 @@ class FusionEngine:
         self._rebuild_from_ready_order = False
         self.order = list(state["order"])
         self.costs = engine_state.decode_costs(state["costs"])
+        if self._trial is not None and state.get("trial") is not None:
+            self._trial.load_state_dict(state["trial"])
         if self._profiler is not None and self.costs is None and self.step >= self._profile_end:
             # this run plans from costs (or offloads by them) and the saved run never measured any
             # (another fusion policy or offload choice): measure them now, then re-plan as usual

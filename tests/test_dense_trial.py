@@ -1,0 +1,129 @@
+"""The measured dense fallback (engine/trial.py): the state machine on its own, then training on 2
+ranks, where every rank must switch plans at the same step and decide alike."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import ssfusion_lightning as ssf
+from ssfusion_lightning.comm import COMMUNICATORS
+from ssfusion_lightning.commcost import Link
+from ssfusion_lightning.engine import engine as engine_module
+from ssfusion_lightning.engine.engine import FusionEngine
+from ssfusion_lightning.engine.trial import DENSE, DONE, DenseTrial
+from tests.workloads import Regressor, make_trainer, regression_data
+
+
+def agreed(offset: float):
+    """A stand-in for the max over ranks: another rank was ``offset`` seconds slower."""
+    return lambda local: local + offset
+
+
+def test_dense_runs_only_where_its_all_reduce_leaves_it_a_chance():
+    fast_link, slow_link = DenseTrial(3), DenseTrial(3)
+    for seconds in (0.05, 0.07, 0.06):
+        assert fast_link.record(seconds) == (seconds == 0.06) and slow_link.record(seconds) == (seconds == 0.06)
+    # the agreed median is 0.06 + 0.01: a dense all-reduce of 0.02 s may beat it, one of 0.07 s cannot
+    assert fast_link.end_sparse(agreed(0.01), dense_floor=0.02) and fast_link.phase == DENSE
+    assert not slow_link.end_sparse(agreed(0.01), dense_floor=0.07) and slow_link.phase == DONE
+    assert fast_link.sparse_seconds == slow_link.sparse_seconds == pytest.approx(0.07)
+    assert fast_link.samples == [] and slow_link.dense_seconds is None
+
+
+@pytest.mark.parametrize("dense_median, kept", [(0.06, True), (0.07, True), (0.08, False)])
+def test_dense_is_kept_where_its_agreed_median_is_at_most_the_sparse_one(dense_median, kept):
+    trial = DenseTrial(1, phase=DENSE, sparse_seconds=0.07)
+    assert trial.record(dense_median - 0.005)
+    assert trial.end_dense(agreed(0.005)) == kept  # a tie keeps dense: it loses no accuracy
+    assert trial.phase == DONE and not trial.active and trial.dense_seconds == pytest.approx(dense_median)
+
+
+def test_a_resumed_trial_measures_its_phase_again():
+    trial = DenseTrial(2, phase=DENSE, samples=[0.1], sparse_seconds=0.07)
+    resumed = DenseTrial(2)
+    resumed.load_state_dict(trial.state_dict())
+    assert (resumed.phase, resumed.sparse_seconds, resumed.samples) == (DENSE, 0.07, [])
+
+
+def test_dense_trial_steps_is_an_auto_option_that_needs_the_fallback():
+    assert COMMUNICATORS.build("auto").dense_trial_steps == 5
+    assert COMMUNICATORS.build("auto", dense_fallback=False, dense_trial_steps=5).dense_trial_steps == 0
+    assert COMMUNICATORS.build("allgather").dense_trial_steps == 0
+    for bad in (-1, 2.5, True, "5"):
+        with pytest.raises(ValueError, match=f"dense_trial_steps must be an integer >= 0, got {bad!r}"):
+            COMMUNICATORS.build("auto", dense_trial_steps=bad)
+
+
+def train_with_trial(steps: int, floor: float) -> dict:
+    """comm=auto with a 2-step trial after the 3 profiled rounds (steps 1-3; costs from step 4 on):
+    the sparse phase times steps 4 and 5, the dense phase (where it runs) steps 6 and 7.
+    The links measure a slow all-reduce, so that the model's own fallback keeps the plan sparse
+    (on loopback it sends this small model dense), and ``floor`` replaces the modelled dense
+    all-reduce that decides whether the dense phase runs."""
+    L.seed_everything(0, verbose=False)
+    model = Regressor(width=256)
+    strategy = ssf.SSFusionStrategy(
+        sparsifier="topk", density=0.01, fusion="ahead", comm="auto", offload="none",
+        comm_options={"dense_trial_steps": 2, "schemes": ["allreduce", "allgather"]},
+    )
+    plans: list[tuple[int, bool]] = []
+
+    class PlanPerStep(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            engine = strategy.engine
+            plans.append((engine.step, all(not b.sparse_slots for b in engine.plan.buffers)))
+
+    links = {"allreduce": Link(0.05, 1e-6), "allgather": Link(1e-4, 1e-9)}
+    original = FusionEngine._dense_floor, engine_module.measure_link
+    FusionEngine._dense_floor = lambda self: floor
+    engine_module.measure_link = lambda collective, *args, **kwargs: links[collective]
+    try:
+        make_trainer(strategy, steps, callbacks=[PlanPerStep()]).fit(model, DataLoader(regression_data(), batch_size=16))
+    finally:
+        FusionEngine._dense_floor, engine_module.measure_link = original
+    state = strategy._final_engine_state
+    return {
+        "trial": state["trial"],
+        "dense_measured_faster": state["costs"]["dense_measured_faster"],
+        "all_dense": dict(plans),
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
+
+
+def test_every_rank_runs_the_trial_at_the_same_steps_and_decides_alike(pool2):
+    results = pool2.run(train_with_trial, 10, 0.0)
+    first = results[0]
+    assert first["trial"]["phase"] == DONE and first["trial"]["dense_seconds"] is not None
+    assert all(r["trial"] == first["trial"] and r["all_dense"] == first["all_dense"] for r in results)
+    kept = first["trial"]["dense_seconds"] <= first["trial"]["sparse_seconds"]
+    assert first["dense_measured_faster"] == kept
+    dense_at = first["all_dense"]
+    # the model's plan before and in the sparse phase, dense in the dense phase, then the decision
+    assert not any(dense_at[step] for step in range(6)) and dense_at[6] and dense_at[7]
+    assert dense_at[8] == dense_at[9] == kept
+    for rank, result in enumerate(results):
+        for name, value in result["params"].items():
+            assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
+
+
+def test_no_dense_step_is_taken_where_the_link_rules_dense_out(pool2):
+    for result in pool2.run(train_with_trial, 9, 1e9):
+        assert result["trial"]["phase"] == DONE and result["trial"]["dense_seconds"] is None
+        assert not result["dense_measured_faster"] and not any(result["all_dense"].values())
+
+
+def train_without_trial() -> dict:
+    L.seed_everything(0, verbose=False)
+    strategy = ssf.SSFusionStrategy(
+        sparsifier="topk", density=0.01, fusion="ahead", comm="auto", offload="none", comm_options={"dense_trial_steps": 0}
+    )
+    make_trainer(strategy, 9).fit(Regressor(width=256), DataLoader(regression_data(), batch_size=16))
+    return strategy._final_engine_state
+
+
+def test_a_run_without_the_trial_saves_none(pool2):
+    for state in pool2.run(train_without_trial):
+        assert state["trial"] is None and not state["costs"]["dense_measured_faster"]
