@@ -43,6 +43,9 @@ def run_variant(
         "--workloads", *args.workloads, "--schemes", "ddp", *schemes, "--acc-steps", "0", "--key-repeats", "1",
         "--engine-options", options, "--out", str(scratch), "--name", name, "--no-report",
     ]
+    for flag, value in (("--steps", args.steps), ("--warmup", args.warmup)):
+        if value is not None:
+            command += [flag, str(value)]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=checkout)
     summary = read_csv(scratch / f"{name}.csv")
     ddp = {(r["world"], r["workload"], r["rate"]): float(r["step_ms"]) for r in summary if r["scheme"] == "ddp"}
@@ -133,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rates", nargs="+", default=["none", "40mbit"])
     parser.add_argument("--workloads", nargs="+", default=["resnet18", "gpt2"])
     parser.add_argument("--schemes", nargs="+", default=["ssfusion", "ssfusion_dense"], choices=ENGINE_SCHEMES)
+    parser.add_argument("--steps", type=int, help="steps per run (bench_e2e's default: 14)")
+    parser.add_argument("--warmup", type=int, help="first steps of a run left out of its median (bench_e2e's default: 6)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--from-csv", action="store_true", help="only rebuild the table and plot from <out>/<name>.csv")
     args = parser.parse_args(argv)

@@ -330,7 +330,10 @@ def plan_summary(engine: Any) -> dict[str, Any]:
                 "buffer_overhead": costs.buffer_overhead,
                 "serial_cpu": costs.serial_cpu,
                 "selection_spread": costs.selection_spread,
+                "dense_measured_faster": costs.dense_measured_faster,
             },
+            # comm="auto"'s dense trial: its phase and the agreed median steps it measured
+            "dense_trial": engine.dense_trial,
         }
     except AttributeError:  # a changed engine API: the plan is only informative
         return {}

@@ -24,7 +24,7 @@ def agreed(offset: float):
 
 def test_dense_runs_only_where_its_all_reduce_leaves_it_a_chance():
     fast_link, slow_link = DenseTrial(3), DenseTrial(3)
-    for seconds in (0.05, 0.07, 0.06):
+    for seconds in (0.5, 0.05, 0.07, 0.06):  # the first step on the plan paid for the switch: left out
         assert fast_link.record(seconds) == (seconds == 0.06) and slow_link.record(seconds) == (seconds == 0.06)
     # the agreed median is 0.06 + 0.01: a dense all-reduce of 0.02 s may beat it, one of 0.07 s cannot
     assert fast_link.end_sparse(agreed(0.01), dense_floor=0.02) and fast_link.phase == DENSE
@@ -36,7 +36,7 @@ def test_dense_runs_only_where_its_all_reduce_leaves_it_a_chance():
 @pytest.mark.parametrize("dense_median, kept", [(0.06, True), (0.07, True), (0.08, False)])
 def test_dense_is_kept_where_its_agreed_median_is_at_most_the_sparse_one(dense_median, kept):
     trial = DenseTrial(1, phase=DENSE, sparse_seconds=0.07)
-    assert trial.record(dense_median - 0.005)
+    assert not trial.record(1.0) and trial.record(dense_median - 0.005)
     assert trial.end_dense(agreed(0.005)) == kept  # a tie keeps dense: it loses no accuracy
     assert trial.phase == DONE and not trial.active and trial.dense_seconds == pytest.approx(dense_median)
 
@@ -49,7 +49,7 @@ def test_a_resumed_trial_measures_its_phase_again():
 
 
 def test_dense_trial_steps_is_an_auto_option_that_needs_the_fallback():
-    assert COMMUNICATORS.build("auto").dense_trial_steps == 5
+    assert COMMUNICATORS.build("auto").dense_trial_steps == 8
     assert COMMUNICATORS.build("auto", dense_fallback=False, dense_trial_steps=5).dense_trial_steps == 0
     assert COMMUNICATORS.build("allgather").dense_trial_steps == 0
     for bad in (-1, 2.5, True, "5"):
@@ -59,7 +59,7 @@ def test_dense_trial_steps_is_an_auto_option_that_needs_the_fallback():
 
 def train_with_trial(steps: int, floor: float) -> dict:
     """comm=auto with a 2-step trial after the 3 profiled rounds (steps 1-3; costs from step 4 on):
-    the sparse phase times steps 4 and 5, the dense phase (where it runs) steps 6 and 7.
+    the sparse phase times steps 4 to 6 (4 left out), the dense phase (where it runs) 7 to 9.
     The links measure a slow all-reduce, so that the model's own fallback keeps the plan sparse
     (on loopback it sends this small model dense), and ``floor`` replaces the modelled dense
     all-reduce that decides whether the dense phase runs."""
@@ -94,7 +94,7 @@ def train_with_trial(steps: int, floor: float) -> dict:
 
 
 def test_every_rank_runs_the_trial_at_the_same_steps_and_decides_alike(pool2):
-    results = pool2.run(train_with_trial, 10, 0.0)
+    results = pool2.run(train_with_trial, 12, 0.0)
     first = results[0]
     assert first["trial"]["phase"] == DONE and first["trial"]["dense_seconds"] is not None
     assert all(r["trial"] == first["trial"] and r["all_dense"] == first["all_dense"] for r in results)
@@ -102,15 +102,15 @@ def test_every_rank_runs_the_trial_at_the_same_steps_and_decides_alike(pool2):
     assert first["dense_measured_faster"] == kept
     dense_at = first["all_dense"]
     # the model's plan before and in the sparse phase, dense in the dense phase, then the decision
-    assert not any(dense_at[step] for step in range(6)) and dense_at[6] and dense_at[7]
-    assert dense_at[8] == dense_at[9] == kept
+    assert not any(dense_at[step] for step in range(7)) and all(dense_at[step] for step in (7, 8, 9))
+    assert dense_at[10] == dense_at[11] == kept
     for rank, result in enumerate(results):
         for name, value in result["params"].items():
             assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
 
 
 def test_no_dense_step_is_taken_where_the_link_rules_dense_out(pool2):
-    for result in pool2.run(train_with_trial, 9, 1e9):
+    for result in pool2.run(train_with_trial, 10, 1e9):
         assert result["trial"]["phase"] == DONE and result["trial"]["dense_seconds"] is None
         assert not result["dense_measured_faster"] and not any(result["all_dense"].values())
 

@@ -679,6 +679,11 @@ class FusionEngine:
         self._step_mark = time.perf_counter()
 
     # ---------------------------------------------------------------- the dense trial
+    @property
+    def dense_trial(self) -> dict[str, Any] | None:
+        """The dense trial's phase and agreed median steps (None without a trial)."""
+        return None if self._trial is None else self._trial.state_dict()
+
     def _trial_running(self) -> bool:
         """The step that just ended ran on the plan of the agreed costs at the target density, and
         that plan sparsifies something (or is the trial's dense one)."""
@@ -750,6 +755,7 @@ class FusionEngine:
         if self._round.sparsifier_snapshot is not None:
             self.sparsifier.load_state_dict(self._round.sparsifier_snapshot)
         step = self.step
+        self._step_mark = None  # the next step's time would span this one too
         self._new_round()
         if self._current_loss_scale() is not None:
             for position, param in enumerate(self.params):
@@ -853,7 +859,7 @@ class FusionEngine:
             "memory": engine_state.plain(self.memory.state_dict(), "memory state"),
             "communicator": engine_state.plain(self.communicator.state_dict(), "communicator state"),
             "accumulated": self._accumulated.saved(self.names, self.params),
-            "trial": None if self._trial is None else self._trial.state_dict(),
+            "trial": self.dense_trial,
         }
 
     def check_state(self, state: Any) -> dict[str, Any]:
