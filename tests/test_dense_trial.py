@@ -127,3 +127,45 @@ def train_without_trial() -> dict:
 def test_a_run_without_the_trial_saves_none(pool2):
     for state in pool2.run(train_without_trial):
         assert state["trial"] is None and not state["costs"]["dense_measured_faster"]
+
+
+def resume_after_trial(path: str, floor: float) -> tuple[dict, dict, bool, bool]:
+    """Train through the trial (10 steps) and checkpoint, then resume to step 12: the trial's
+    outcome and the plan it kept come back as saved, and no phase runs again."""
+    L.seed_everything(0, verbose=False)
+    options = dict(
+        sparsifier="topk", density=0.01, fusion="ahead", comm="auto", offload="none",
+        comm_options={"dense_trial_steps": 2, "schemes": ["allreduce", "allgather"]},
+    )
+    links = {"allreduce": Link(0.05, 1e-6), "allgather": Link(1e-4, 1e-9)}
+    original = FusionEngine._dense_floor, engine_module.measure_link
+    FusionEngine._dense_floor = lambda self: floor
+    engine_module.measure_link = lambda collective, *args, **kwargs: links[collective]
+    try:
+        first = ssf.SSFusionStrategy(**options)
+        trainer = make_trainer(first, 10)
+        trainer.fit(Regressor(width=256), DataLoader(regression_data(), batch_size=16))
+        trainer.save_checkpoint(path)
+        torch.distributed.barrier()
+        second = ssf.SSFusionStrategy(**options)
+        resumed: dict = {}
+
+        class Peek(L.Callback):
+            def on_train_start(self, trainer, module):
+                resumed["all_dense"] = all(not b.sparse_slots for b in second.engine.plan.buffers)
+
+        make_trainer(second, 12, callbacks=[Peek()]).fit(
+            Regressor(width=256), DataLoader(regression_data(), batch_size=16), ckpt_path=path
+        )
+    finally:
+        FusionEngine._dense_floor, engine_module.measure_link = original
+    saved = first._final_engine_state
+    saved_dense = saved["costs"]["dense_measured_faster"]
+    return saved["trial"], second._final_engine_state["trial"], saved_dense, resumed["all_dense"]
+
+
+@pytest.mark.parametrize("floor", [0.0, 1e9])
+def test_a_resumed_run_keeps_the_trials_outcome(pool2, tmp_path, floor):
+    for saved, final, dense, resumed_dense in pool2.run(resume_after_trial, str(tmp_path / "trial.ckpt"), floor):
+        assert saved["phase"] == DONE and final == saved
+        assert resumed_dense == dense == (floor == 0.0 and saved["dense_seconds"] <= saved["sparse_seconds"])
