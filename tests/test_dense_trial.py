@@ -3,6 +3,8 @@ ranks, where every rank must switch plans at the same step and decide alike."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import lightning as L
 import pytest
 import torch
@@ -57,12 +59,24 @@ def test_dense_trial_steps_is_an_auto_option_that_needs_the_fallback():
             COMMUNICATORS.build("auto", dense_trial_steps=bad)
 
 
+@contextmanager
+def slow_allreduce_and_floor(floor: float):
+    """The links measure a slow all-reduce, so that the model's own fallback keeps the plan sparse
+    (on loopback it sends these small models dense), and ``floor`` replaces the modelled dense
+    all-reduce that decides whether the dense phase runs."""
+    links = {"allreduce": Link(0.05, 1e-6), "allgather": Link(1e-4, 1e-9)}
+    original = FusionEngine._dense_floor, engine_module.measure_link
+    FusionEngine._dense_floor = lambda self: floor
+    engine_module.measure_link = lambda collective, *args, **kwargs: links[collective]
+    try:
+        yield
+    finally:
+        FusionEngine._dense_floor, engine_module.measure_link = original
+
+
 def train_with_trial(steps: int, floor: float) -> dict:
     """comm=auto with a 2-step trial after the 3 profiled rounds (steps 1-3; costs from step 4 on):
-    the sparse phase times steps 4 to 6 (4 left out), the dense phase (where it runs) 7 to 9.
-    The links measure a slow all-reduce, so that the model's own fallback keeps the plan sparse
-    (on loopback it sends this small model dense), and ``floor`` replaces the modelled dense
-    all-reduce that decides whether the dense phase runs."""
+    the sparse phase times steps 4 to 6 (4 left out), the dense phase (where it runs) 7 to 9."""
     L.seed_everything(0, verbose=False)
     model = Regressor(width=256)
     strategy = ssf.SSFusionStrategy(
@@ -76,14 +90,8 @@ def train_with_trial(steps: int, floor: float) -> dict:
             engine = strategy.engine
             plans.append((engine.step, all(not b.sparse_slots for b in engine.plan.buffers)))
 
-    links = {"allreduce": Link(0.05, 1e-6), "allgather": Link(1e-4, 1e-9)}
-    original = FusionEngine._dense_floor, engine_module.measure_link
-    FusionEngine._dense_floor = lambda self: floor
-    engine_module.measure_link = lambda collective, *args, **kwargs: links[collective]
-    try:
+    with slow_allreduce_and_floor(floor):
         make_trainer(strategy, steps, callbacks=[PlanPerStep()]).fit(model, DataLoader(regression_data(), batch_size=16))
-    finally:
-        FusionEngine._dense_floor, engine_module.measure_link = original
     state = strategy._final_engine_state
     return {
         "trial": state["trial"],
@@ -137,11 +145,7 @@ def resume_after_trial(path: str, floor: float) -> tuple[dict, dict, bool, bool]
         sparsifier="topk", density=0.01, fusion="ahead", comm="auto", offload="none",
         comm_options={"dense_trial_steps": 2, "schemes": ["allreduce", "allgather"]},
     )
-    links = {"allreduce": Link(0.05, 1e-6), "allgather": Link(1e-4, 1e-9)}
-    original = FusionEngine._dense_floor, engine_module.measure_link
-    FusionEngine._dense_floor = lambda self: floor
-    engine_module.measure_link = lambda collective, *args, **kwargs: links[collective]
-    try:
+    with slow_allreduce_and_floor(floor):
         first = ssf.SSFusionStrategy(**options)
         trainer = make_trainer(first, 10)
         trainer.fit(Regressor(width=256), DataLoader(regression_data(), batch_size=16))
@@ -157,8 +161,6 @@ def resume_after_trial(path: str, floor: float) -> tuple[dict, dict, bool, bool]
         make_trainer(second, 12, callbacks=[Peek()]).fit(
             Regressor(width=256), DataLoader(regression_data(), batch_size=16), ckpt_path=path
         )
-    finally:
-        FusionEngine._dense_floor, engine_module.measure_link = original
     saved = first._final_engine_state
     saved_dense = saved["costs"]["dense_measured_faster"]
     return saved["trial"], second._final_engine_state["trial"], saved_dense, resumed["all_dense"]

@@ -704,7 +704,7 @@ class FusionEngine:
                 self._new_round()
         else:
             keep = trial.end_dense(self._agreed_max)
-            if self.world_size > 1 and dist.get_rank() == 0:
+            if dist.get_rank() == 0:  # a trial runs only between ranks
                 log.info(
                     "ssfusion: dense trial: %.3g ms a step dense, %.3g ms sparse -> %s",
                     1e3 * trial.dense_seconds, 1e3 * trial.sparse_seconds, "dense" if keep else "sparse",
