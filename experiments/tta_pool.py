@@ -5,7 +5,7 @@ DDP's last evaluation and averaged over DDP's last three, every (launch, seed) r
         experiments/results/tta_warmup4_dgc_01_curve.csv --name tta_pool_01
 
 Why: on the 360-digit validation split one evaluation moves by 2-3 points and a scheme's run ends
-on whichever evaluation its oscillation gives (the same configuration and seed ended 2 to 6 points
+on whichever evaluation its oscillation gives (the same configuration and seed ended up to 7 points
 apart in two launches), so a single launch's final value cannot decide a 1-point target. Each run
 is compared with the DDP run of its own launch and seed.
 
