@@ -44,7 +44,7 @@ from ssfusion_lightning.costmodel import CostProfile
 from ssfusion_lightning.fusion.cut import recut_dense_runs
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.vocabulary import Buffer, Plan, Slot
-from tests.workloads import Regressor, make_trainer, regression_data
+from tests.workloads import Regressor, checkpoint_and_resume, make_trainer, regression_data
 
 US = 1e-6
 
@@ -562,20 +562,10 @@ def resume_auto(path: str) -> tuple[list[str], list[str], bool]:
     they were saved, and the saved costs are used (nothing is profiled again)."""
     L.seed_everything(0, verbose=False)
     options = dict(sparsifier="topk", density=0.1, fusion="ahead", comm="auto", offload="none", buffer_mb=0.002)
-    first = ssf.SSFusionStrategy(**options)
-    trainer = make_trainer(first, 6)
-    trainer.fit(Regressor(), DataLoader(regression_data(), batch_size=16))
-    trainer.save_checkpoint(path)
-    torch.distributed.barrier()
-    second = ssf.SSFusionStrategy(**options)
-    resumed: dict = {}
-
-    class Peek(L.Callback):
-        def on_train_start(self, trainer, module):
-            resumed["comm"] = [b.comm for b in second.engine.plan.buffers]
-            resumed["profiling"] = second.engine._profiler is not None
-
-    make_trainer(second, 9, callbacks=[Peek()]).fit(Regressor(), DataLoader(regression_data(), batch_size=16), ckpt_path=path)
+    first, _, resumed = checkpoint_and_resume(
+        lambda: ssf.SSFusionStrategy(**options), path, 6, 9,
+        lambda engine: {"comm": [b.comm for b in engine.plan.buffers], "profiling": engine._profiler is not None},
+    )
     saved = [b["comm"] for b in first._final_engine_state["plan"]["buffers"]]
     return saved, resumed["comm"], resumed["profiling"]
 

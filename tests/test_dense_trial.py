@@ -16,7 +16,7 @@ from ssfusion_lightning.commcost import Link
 from ssfusion_lightning.engine import engine as engine_module
 from ssfusion_lightning.engine.engine import FusionEngine
 from ssfusion_lightning.engine.trial import DENSE, DONE, DenseTrial
-from tests.workloads import Regressor, make_trainer, regression_data
+from tests.workloads import Regressor, checkpoint_and_resume, make_trainer, regression_data
 
 
 def agreed(offset: float):
@@ -146,20 +146,9 @@ def resume_after_trial(path: str, floor: float) -> tuple[dict, dict, bool, bool]
         comm_options={"dense_trial_steps": 2, "schemes": ["allreduce", "allgather"]},
     )
     with slow_allreduce_and_floor(floor):
-        first = ssf.SSFusionStrategy(**options)
-        trainer = make_trainer(first, 10)
-        trainer.fit(Regressor(width=256), DataLoader(regression_data(), batch_size=16))
-        trainer.save_checkpoint(path)
-        torch.distributed.barrier()
-        second = ssf.SSFusionStrategy(**options)
-        resumed: dict = {}
-
-        class Peek(L.Callback):
-            def on_train_start(self, trainer, module):
-                resumed["all_dense"] = all(not b.sparse_slots for b in second.engine.plan.buffers)
-
-        make_trainer(second, 12, callbacks=[Peek()]).fit(
-            Regressor(width=256), DataLoader(regression_data(), batch_size=16), ckpt_path=path
+        first, second, resumed = checkpoint_and_resume(
+            lambda: ssf.SSFusionStrategy(**options), path, 10, 12,
+            lambda engine: {"all_dense": all(not b.sparse_slots for b in engine.plan.buffers)}, width=256,
         )
     saved = first._final_engine_state
     saved_dense = saved["costs"]["dense_measured_faster"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 import torch
@@ -78,3 +78,27 @@ def fit_and_get_params(strategy: Any, kind: str = "plain", steps: int = 6, seed:
     loader = DataLoader(regression_data(), batch_size=16)
     make_trainer(strategy, steps, **trainer_kwargs).fit(model, loader)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def checkpoint_and_resume(
+    make_strategy: Callable[[], Any], path: str, steps: int, resumed_steps: int, peek: Callable[[Any], dict], width: int = 32
+) -> tuple[Any, Any, dict]:
+    """Train ``steps`` steps and checkpoint to ``path``, then resume a new strategy from it to
+    ``resumed_steps``. Returns both strategies and ``peek(engine)`` of the resumed engine, taken
+    when its training starts (after the restore, before any step)."""
+    first = make_strategy()
+    trainer = make_trainer(first, steps)
+    trainer.fit(Regressor(width=width), DataLoader(regression_data(), batch_size=16))
+    trainer.save_checkpoint(path)
+    dist.barrier()
+    second = make_strategy()
+    peeked: dict = {}
+
+    class Peek(L.Callback):
+        def on_train_start(self, trainer, module):
+            peeked.update(peek(second.engine))
+
+    make_trainer(second, resumed_steps, callbacks=[Peek()]).fit(
+        Regressor(width=width), DataLoader(regression_data(), batch_size=16), ckpt_path=path
+    )
+    return first, second, peeked
