@@ -82,7 +82,8 @@ RULES: tuple[tuple[str, str | None, str, str], ...] = (
     ("_broadcast_from_rank0", None, "control", "ready_order"),
     ("_nonfinite_vote", None, "control", "vote"),
     ("_usage_vote", None, "control", "usage"),
-    ("measure_link", None, "control", "link_probe"),
+    ("probe_once", None, "control", "link_probe"),
+    ("measure_links", None, "control", "link_probe"),
     ("agree", None, "control", "costs"),
 )
 CONTROL_KINDS = (

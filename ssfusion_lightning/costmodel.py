@@ -148,41 +148,71 @@ class Profiler:
         return medians + [fixed, per_element, launch + job_cpu_seconds]
 
 
-def measure_link(
-    collective: str, group: dist.ProcessGroup | None, device: torch.device, sizes=(1 << 10, 1 << 20), repeats: int = 3
-) -> Link:
-    """Time ``collective`` at a small and a large message and take alpha-beta as the line through
-    the two medians: the latency from the small one, the rate from the large one. ``sizes`` are the
-    bytes each rank moves over the link (the first and last are used), so the probe costs the same
-    at any P: an allgather's message per rank is size / (P - 1), an all-reduce's size P / 2(P - 1).
-    (With 1 MB per rank, an allgather probe moved (P - 1) MB: 3 MB per repeat at P = 4, 1.7 s of a
-    4-rank 40 Mbit/s run's first steps, and 255 MB at P = 256.)
+#: a large probe message that takes longer than this (agreed over the ranks) is timed once, not
+#: ``repeats`` times: on a slow link its repeats were most of a short run's start-up (six 1 MB
+#: messages, 1.2 s at 40 Mbit/s and P = 4), and at that length a repeat removes less noise (a
+#: few ms of scheduling) than it costs
+SINGLE_LARGE_SECONDS = 0.04
+
+
+def measure_links(
+    collectives: Sequence[str], group: dist.ProcessGroup | None, device: torch.device,
+    sizes=(1 << 10, 1 << 20), repeats: int = 3,
+) -> dict[str, Link]:
+    """Time each of ``collectives`` at a small and a large message and take alpha-beta as the line
+    through the two medians: the latency from the small one, the rate from the large one. ``sizes``
+    are the bytes each rank moves over the link (the first and last are used), so the probe costs
+    the same at any P: an allgather's message per rank is size / (P - 1), an all-reduce's
+    size P / 2(P - 1). (With 1 MB per rank, an allgather probe moved (P - 1) MB: 3 MB per repeat at
+    P = 4, 1.7 s of a 4-rank 40 Mbit/s run's first steps, and 255 MB at P = 256.)
+
+    The large messages follow one untimed warm-up of the first collective's: the first large
+    message after an idle link is not the link's rate (on the emulated 40 Mbit/s link it took
+    196 ms against 220 ms for every later one: the shaper's bucket passes its first 128 KiB at
+    once; a TCP connection restarting after idle goes the other way). Its time, agreed over the
+    ranks, also sets the timed repeats of every large message: one above
+    ``SINGLE_LARGE_SECONDS``, ``repeats`` below it.
 
     A least-squares line through several sizes is led by the largest and loses the latency (on the
     40 Mbit/s emulated link at P = 4: alpha 0-1.6 ms against 3.9 ms measured directly, changing run
     to run), and a token-bucket shaper or a switch's buffers pass mid-size messages faster than the
     link's rate, which no line fits."""
     world = dist.get_world_size(group)
-    points = []
-    for size in (sizes[0], sizes[-1]):
+
+    def probe_once(collective: str, size: int) -> float:
         tensor = torch.zeros(probe_elements(collective, size, world), dtype=torch.float32, device=device)
-        gathered = [torch.empty_like(tensor) for _ in range(world)]
-        samples = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            if collective == "allreduce":
-                dist.all_reduce(tensor, group=group)
-            else:
-                dist.all_gather(gathered, tensor, group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            samples.append(time.perf_counter() - start)
-        nbytes = 4 * tensor.numel()
+        gathered = [torch.empty_like(tensor) for _ in range(world)] if collective == "allgather" else []
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        if collective == "allreduce":
+            dist.all_reduce(tensor, group=group)
+        else:
+            dist.all_gather(gathered, tensor, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    def probe_median(collective: str, size: int, count: int) -> tuple[float, float]:
+        samples = sorted(probe_once(collective, size) for _ in range(count))
+        nbytes = 4 * probe_elements(collective, size, world)
         moved = ring_allreduce_bytes(nbytes, world) if collective == "allreduce" else (world - 1) * nbytes
-        points.append((moved, sorted(samples)[len(samples) // 2]))
-    return Link(*line_through(points[0], points[-1]))
+        return moved, samples[len(samples) // 2]
+
+    small, large = sizes[0], sizes[-1]
+    smalls = {collective: probe_median(collective, small, repeats) for collective in collectives}
+    warm_up = torch.tensor([probe_once(collectives[0], large)], dtype=torch.float64, device=device)
+    dist.all_reduce(warm_up, op=dist.ReduceOp.MAX, group=group)
+    count = 1 if float(warm_up) > SINGLE_LARGE_SECONDS else repeats
+    return {
+        collective: Link(*line_through(smalls[collective], probe_median(collective, large, count)))
+        for collective in collectives
+    }
+
+
+def measure_link(collective: str, group: dist.ProcessGroup | None, device: torch.device) -> Link:
+    """``measure_links`` of one collective."""
+    return measure_links((collective,), group, device)[collective]
 
 
 def probe_elements(collective: str, moved: int, world: int) -> int:

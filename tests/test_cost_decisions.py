@@ -336,7 +336,7 @@ def test_a_line_never_goes_negative():
     assert line_through((1000.0, 1e-6), (10**6, 1.0)) == (0.0, pytest.approx(1e-6, rel=2e-3))  # no negative latency
 
 
-# --------------------------------------------------------------------------- measure_link: the probe's size
+# --------------------------------------------------------------------------- measure_links: the probe's size
 @pytest.mark.parametrize("world", [2, 3, 4, 8, 64, 1024])
 @pytest.mark.parametrize("moved", [1 << 10, 1 << 20])
 def test_a_link_probe_moves_the_same_bytes_per_rank_at_any_world_size(world, moved):
@@ -352,34 +352,61 @@ def test_a_link_probe_moves_the_same_bytes_per_rank_at_any_world_size(world, mov
     assert abs(ring_allreduce_bytes(reduce, world) - moved) <= 4
 
 
-def probe_sizes() -> dict[str, list[int]]:
-    """Run measure_link for both collectives on this rank, recording each call's elements."""
+def probe_sizes(slow_rank: int | None = None) -> list[tuple[str, int]]:
+    """Run measure_links for both collectives on this rank, recording each call's collective and
+    elements. On ``slow_rank`` every large message takes 50 ms longer (after the collective, so
+    only that rank's own clock sees it)."""
+    import time
+
     import torch.distributed as dist
 
     from ssfusion_lightning import costmodel
 
-    seen: dict[str, list[int]] = {"allreduce": [], "allgather": []}
+    seen: list[tuple[str, int]] = []
     real_reduce, real_gather = dist.all_reduce, dist.all_gather
+    slow = dist.get_rank() == slow_rank
 
     def all_reduce(tensor, *args, **kwargs):
-        seen["allreduce"].append(tensor.numel())
-        return real_reduce(tensor, *args, **kwargs)
+        seen.append(("allreduce", tensor.numel()))
+        work = real_reduce(tensor, *args, **kwargs)
+        if slow and tensor.numel() > 1000:
+            time.sleep(0.05)
+        return work
 
     def all_gather(out, tensor, *args, **kwargs):
-        seen["allgather"].append(tensor.numel())
-        return real_gather(out, tensor, *args, **kwargs)
+        seen.append(("allgather", tensor.numel()))
+        work = real_gather(out, tensor, *args, **kwargs)
+        if slow and tensor.numel() > 1000:
+            time.sleep(0.05)
+        return work
 
     dist.all_reduce, dist.all_gather = all_reduce, all_gather
     try:
-        links = {name: costmodel.measure_link(name, None, torch.device("cpu")) for name in seen}
+        links = costmodel.measure_links(("allreduce", "allgather"), None, torch.device("cpu"))
     finally:
         dist.all_reduce, dist.all_gather = real_reduce, real_gather
+    assert sorted(links) == ["allgather", "allreduce"]
     assert all(link.alpha >= 0 and link.beta >= 0 for link in links.values())
     return seen
 
 
-def test_measure_link_probes_with_the_sized_messages(pool4):
-    # P = 4: the 1 KB and 1 MB probes, 3 repeats each; an allgather rank sends a third of the bytes it moves
+def test_measure_links_probes_with_the_sized_messages(pool4):
+    # P = 4: the 1 KB probes 3 times each, one untimed 1 MB warm-up and the agreement on its time
+    # (one element), then the 1 MB probes 3 times each (loopback is fast); an allgather rank sends
+    # a third of the bytes it moves
+    small = [("allreduce", 171)] * 3 + [("allgather", 85)] * 3
+    warm_up = [("allreduce", 174763), ("allreduce", 1)]
+    large = [("allreduce", 174763)] * 3 + [("allgather", 87381)] * 3
     for seen in pool4.run(probe_sizes):
-        assert seen["allgather"] == [85] * 3 + [87381] * 3
-        assert seen["allreduce"] == [171] * 3 + [174763] * 3
+        assert seen == small + warm_up + large
+
+
+def test_a_slow_warm_up_on_one_rank_gives_every_rank_one_timed_large_message(pool2):
+    # P = 2 (a rank moves what it sends). Rank 1's clock reads the warm-up above SINGLE_LARGE_SECONDS,
+    # rank 0's below it: the agreed (max) time decides, so both ranks time each large message once
+    # and stay in step
+    small = [("allreduce", 256)] * 3 + [("allgather", 256)] * 3
+    warm_up = [("allreduce", 262144), ("allreduce", 1)]
+    large = [("allreduce", 262144), ("allgather", 262144)]
+    for seen in pool2.run(probe_sizes, 1):
+        assert seen == small + warm_up + large

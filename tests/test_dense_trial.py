@@ -65,13 +65,13 @@ def slow_allreduce_and_floor(floor: float):
     (on loopback it sends these small models dense), and ``floor`` replaces the modelled dense
     all-reduce that decides whether the dense phase runs."""
     links = {"allreduce": Link(0.05, 1e-6), "allgather": Link(1e-4, 1e-9)}
-    original = FusionEngine._dense_floor, engine_module.measure_link
+    original = FusionEngine._dense_floor, engine_module.measure_links
     FusionEngine._dense_floor = lambda self: floor
-    engine_module.measure_link = lambda collective, *args, **kwargs: links[collective]
+    engine_module.measure_links = lambda collectives, *args, **kwargs: {name: links[name] for name in collectives}
     try:
         yield
     finally:
-        FusionEngine._dense_floor, engine_module.measure_link = original
+        FusionEngine._dense_floor, engine_module.measure_links = original
 
 
 def train_with_trial(steps: int, floor: float) -> dict:

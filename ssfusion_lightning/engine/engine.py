@@ -39,7 +39,7 @@ from ssfusion_lightning.comm.base import CommContext
 from ssfusion_lightning.comm.channels import Completed
 from ssfusion_lightning.comm.schemes import SparseSum
 from ssfusion_lightning.commcost import ring_allreduce_bytes
-from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link, measure_serial_cpu
+from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link, measure_links, measure_serial_cpu
 from ssfusion_lightning.engine import state as engine_state
 from ssfusion_lightning.engine.agreement import Agreement, NonFiniteVote, vote_route
 from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
@@ -738,7 +738,7 @@ class FusionEngine:
     def _agree_costs(self, group: dist.ProcessGroup | None) -> CostProfile:
         """Measure the links on this group, then take every number's max over the ranks."""
         device = self.channels.device
-        links = {name: measure_link(name, group, device) for name in ("allreduce", "allgather")}
+        links = measure_links(("allreduce", "allgather"), group, device)
         hierarchy = self.channels[0].hierarchy  # this channel's own groups: measured on its thread
         if hierarchy is not None and hierarchy.nodes > 1 and hierarchy.ranks_per_node > 1:
             links["node"] = measure_link("allgather", hierarchy.local, device)
