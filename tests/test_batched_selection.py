@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ssfusion_lightning as ssf
-from ssfusion_lightning.sparsifiers import batched, build_sparsifier
+from ssfusion_lightning.sparsifiers import batched, build_sparsifier, selection
 
 ALL = ssf.available_sparsifiers()
 BATCHED = ["topk", "dgc", "gaussiank", "sidco"]
@@ -222,7 +222,7 @@ def test_select_many_checks_its_arguments():
 def test_thresholds_are_compared_in_the_input_dtype():
     """A first threshold between two bf16 values selects what the bf16 compare selects."""
     x = torch.tensor([0.30078125, 0.298828125, -0.30078125, 0.1] * 100, dtype=torch.bfloat16)
-    (rounded,) = batched.in_dtype([0.2999], torch.bfloat16)
+    (rounded,) = selection.in_dtype([0.2999], torch.bfloat16)
     assert rounded == float(torch.tensor(0.2999).to(torch.bfloat16))
     assert int((x.abs() >= 0.2999).sum()) == int((x.float().abs() >= rounded).sum())
 
@@ -232,7 +232,6 @@ def test_dgc_searches_inside_the_batch_without_another_pass(monkeypatch):
     a CNN-like buffer the searches of the tensors whose first count leaves the band are counted
     inside that set, with no per-tensor pass over a tensor, while the loop of ``select`` makes one
     per tensor whose floor lies below its threshold. The selections stay the loop's."""
-    from ssfusion_lightning.sparsifiers import selection
 
     passes = []
     original = selection.indices_at_least

@@ -52,6 +52,8 @@ from ssfusion_lightning.sparsifiers.base import check_many
 from ssfusion_lightning.sparsifiers.selection import (
     Candidates,
     ThresholdSearch,
+    in_dtype,
+    magnitude_dtype,
     search_threshold,
     topk_positions,
     weyl_step,
@@ -147,21 +149,6 @@ def _views_of(flat: Tensor, shapes: tuple[torch.Size, ...], lay: Layout) -> list
         views = [flat[a : a + n].view(shape) for a, n, shape in zip(lay.starts.tolist(), lay.numels, shapes)]
         cache[key] = views
     return views
-
-
-def magnitude_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Magnitudes are kept in float32 (float64 for float64): exact for every supported input
-    dtype, so comparisons and orderings are those of the input's own dtype."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def in_dtype(values: Sequence[float], dtype: torch.dtype) -> list[float]:
-    """``values`` rounded to ``dtype`` the way torch rounds a Python scalar compared with a tensor
-    of that dtype, so a compare on the (exact) float32 magnitudes selects what the per-tensor
-    compare in the input dtype selects."""
-    if dtype in (torch.float32, torch.float64):
-        return list(values)  # the magnitude dtype is the input's: numpy rounds like torch
-    return torch.tensor(list(values), dtype=torch.float64).to(dtype).double().tolist()
 
 
 # --------------------------------------------------------------------------- the batch

@@ -2,11 +2,12 @@
 
 The expensive part of every magnitude sparsifier is turning ``|x| >= t`` into indices. On CPU a
 naive ``(x.abs() >= t).nonzero()`` costs three full-size passes plus a page-faulting fresh
-allocation as large as the tensor, and both the float compare and ``nonzero`` are slow per
-element. ``indices_at_least`` walks the tensor in chunks through reused per-thread scratch,
-folds each chunk's magnitudes into group maxima with vectorized ``maximum`` and only inspects the
-members of groups whose maximum reaches the threshold; the whole selection costs about one
-fresh ``abs()`` of the tensor. On CUDA it is one fused expression.
+allocation as large as the tensor, and both torch's float compare and its ``nonzero`` are slow per
+element. ``indices_at_least`` walks the tensor in chunks through reused per-thread scratch: torch's
+``abs`` into a float32 (float64) magnitude scratch, numpy's compare into a bool scratch and its
+``flatnonzero`` (on a 590K-element fp32 tensor 0.27 ms, against 1.26 ms for the group-maximum
+fold it replaces and 2.7 ms for torch's compare and ``nonzero``). On CUDA it is one fused
+expression.
 
 ``topk_indices`` is exact top-k with a threshold pre-filter: a sample gives a magnitude that is,
 with high probability, a lower bound of the k-th largest one; one selection pass keeps the
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from functools import lru_cache
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,10 +36,6 @@ from torch import Tensor
 #: whatever the tensor's size. Measured on 2^23 elements at 1 and 2 threads, 2^20 is as fast as
 #: 2^21 and 2^23 (the chunk stays in cache), while 2^23 kept 48 MiB per thread.
 CHUNK = 1 << 20
-#: below this size the CPU selection is one plain compare + nonzero
-FOLD_MIN = 1 << 15
-#: at most 2^MAX_LEVELS elements per group in the fold
-MAX_LEVELS = 6
 #: below this size exact top-k runs torch.topk directly (the pre-filter cannot pay off)
 PREFILTER_MIN_NUMEL = 1 << 16
 #: sample size of the top-k pre-filter
@@ -58,16 +57,31 @@ _SCRATCH = threading.local()
 
 
 def scratch(dtype: torch.dtype, numel: int) -> tuple[Tensor, Tensor]:
-    """Per-thread CPU scratch (magnitudes, fold) reused across calls: a fresh multi-MiB buffer
-    would be page-faulted in on every call, which costs as much as the pass itself."""
+    """Per-thread CPU scratch (magnitudes in ``dtype``, a bool mask) reused across calls: a fresh
+    multi-MiB buffer would be page-faulted in on every call, which costs as much as the pass itself."""
     cache = getattr(_SCRATCH, "buffers", None)
     if cache is None:
         cache = _SCRATCH.buffers = {}
     buffers = cache.get(dtype)
     if buffers is None or buffers[0].numel() < numel:
-        buffers = (torch.empty(numel, dtype=dtype), torch.empty(numel // 2 + 1, dtype=dtype))
+        buffers = (torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=torch.bool))
         cache[dtype] = buffers
     return buffers
+
+
+def magnitude_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Magnitudes are kept in float32 (float64 for float64): exact for every supported input
+    dtype, so comparisons and orderings are those of the input's own dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def in_dtype(values: Sequence[float], dtype: torch.dtype) -> list[float]:
+    """``values`` rounded to ``dtype`` the way torch rounds a Python scalar compared with a tensor
+    of that dtype, so a compare on the (exact) float32 magnitudes selects what the per-tensor
+    compare in the input dtype selects."""
+    if dtype in (torch.float32, torch.float64):
+        return list(values)  # the magnitude dtype is the input's: numpy rounds like torch
+    return torch.tensor(list(values), dtype=torch.float64).to(dtype).double().tolist()
 
 
 def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
@@ -76,63 +90,37 @@ def indices_at_least(flat: Tensor, threshold: float) -> Tensor:
     NaN never qualifies. The threshold is compared in the tensor's dtype (as torch does for a
     Python scalar), consistently across calls, so nested thresholds give nested sets.
 
-    CPU: chunks of ``CHUNK`` elements in per-thread scratch buffers reused across calls.
-    Per chunk, |x| is folded in halves ``levels`` times with ``maximum`` (contiguous, vectorized),
-    so slot j of the fold holds the largest magnitude of the group {j, j + s, ..., j + (G-1) s}
-    (G = 2^levels, s = chunk / G). Only groups whose maximum reaches the threshold are inspected,
-    member by member, which replaces a compare and a ``nonzero`` over every element by the same
-    over 1/G of them plus a gather of the hit groups. ``levels`` adapts to the hit rate of the
-    previous chunk, down to 0 (a plain compare) for dense selections. A NaN makes its group a hit
-    (``maximum`` propagates it) but is never selected.
+    CPU: chunks of ``CHUNK`` elements through per-thread scratch reused across calls (magnitudes
+    in ``magnitude_dtype``, exact for every input dtype, and a bool mask), compared by numpy.
     """
-    n = flat.numel()
     if math.isnan(threshold):
         return empty_indices(flat.device)
     strict = not threshold > 0
     if threshold == math.inf:
         return (flat.abs() == math.inf).nonzero().view(-1)
     cut = 0.0 if strict else threshold
-    if flat.device.type != "cpu" or n <= FOLD_MIN:
+    if flat.device.type != "cpu":
         mag = flat.abs()
-        mask = mag > cut if strict else mag >= cut
-        return mask.nonzero().view(-1)
+        return (mag > cut if strict else mag >= cut).nonzero().view(-1)
+    n = flat.numel()
+    if n == 0:
+        return empty_indices(flat.device)
     chunk = min(CHUNK, n)
-    mag, fold = scratch(flat.dtype, chunk + (1 << MAX_LEVELS))
-    not_hit = torch.le if strict else torch.lt
-    member = torch.gt if strict else torch.ge
-    levels = 3
+    mag, mask = scratch(magnitude_dtype(flat.dtype), chunk)
+    mag_np, mask_np = mag.numpy(), mask.numpy()
+    compare = np.greater if strict else np.greater_equal
+    (cut,) = in_dtype([cut], flat.dtype)
     pieces = []
     for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        length = stop - start
-        torch.abs(flat[start:stop], out=mag[:length])
-        if levels == 0:  # dense selections: a plain compare is cheaper than the fold
-            pieces.append(member(mag[:length], cut).nonzero().view(-1).add_(start))
-            continue
-        groups_of = 1 << levels
-        padded = -(-length // groups_of) * groups_of
-        if padded > length:
-            mag[length:padded].zero_()  # zeros never qualify
-        width, source = padded, mag
-        for _ in range(levels):
-            width //= 2
-            torch.maximum(source[:width], source[width : 2 * width], out=fold[:width])
-            source = fold
-        stride = width
-        hit = not_hit(fold[:stride], cut).logical_not_().nonzero().view(-1)
-        rate = hit.numel() / stride
-        if rate < 0.04 and levels < MAX_LEVELS:
-            levels += 1
-        elif rate > 0.3:
-            levels -= 1
-        if hit.numel() == 0:
-            continue
-        members = mag[:padded].view(groups_of, stride).index_select(1, hit)
-        which = member(members, cut).nonzero()
-        # (member, group) order: member c covers positions [c * stride, (c + 1) * stride), so sorted
-        pieces.append(hit.index_select(0, which[:, 1]).add_(which[:, 0] * stride).add_(start))
-    if not pieces:
-        return empty_indices(flat.device)
+        length = min(chunk, n - start)
+        piece = flat[start : start + length]
+        if mag.dtype == flat.dtype:
+            torch.abs(piece, out=mag[:length])
+        else:  # abs() cannot write another dtype
+            mag[:length].copy_(piece).abs_()
+        compare(mag_np[:length], cut, out=mask_np[:length])
+        hits = torch.from_numpy(np.flatnonzero(mask_np[:length]))
+        pieces.append(hits.add_(start) if start else hits)
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
