@@ -352,10 +352,11 @@ def test_a_link_probe_moves_the_same_bytes_per_rank_at_any_world_size(world, mov
     assert abs(ring_allreduce_bytes(reduce, world) - moved) <= 4
 
 
-def probe_sizes(slow_rank: int | None = None) -> list[tuple[str, int]]:
+def probe_sizes(slow_rank: int | None = None, single_above: float = 10.0) -> list[tuple[str, int]]:
     """Run measure_links for both collectives on this rank, recording each call's collective and
-    elements. On ``slow_rank`` every large message takes 50 ms longer (after the collective, so
-    only that rank's own clock sees it)."""
+    elements, with ``SINGLE_LARGE_SECONDS`` = ``single_above`` (10 s: loopback is never that slow,
+    however loaded the host). On ``slow_rank`` every large message takes 50 ms longer (after the
+    collective, so only that rank's own clock sees it)."""
     import time
 
     import torch.distributed as dist
@@ -381,10 +382,12 @@ def probe_sizes(slow_rank: int | None = None) -> list[tuple[str, int]]:
         return work
 
     dist.all_reduce, dist.all_gather = all_reduce, all_gather
+    threshold, costmodel.SINGLE_LARGE_SECONDS = costmodel.SINGLE_LARGE_SECONDS, single_above
     try:
         links = costmodel.measure_links(("allreduce", "allgather"), None, torch.device("cpu"))
     finally:
         dist.all_reduce, dist.all_gather = real_reduce, real_gather
+        costmodel.SINGLE_LARGE_SECONDS = threshold
     assert sorted(links) == ["allgather", "allreduce"]
     assert all(link.alpha >= 0 and link.beta >= 0 for link in links.values())
     return seen
@@ -392,8 +395,8 @@ def probe_sizes(slow_rank: int | None = None) -> list[tuple[str, int]]:
 
 def test_measure_links_probes_with_the_sized_messages(pool4):
     # P = 4: the 1 KB probes 3 times each, one untimed 1 MB warm-up and the agreement on its time
-    # (one element), then the 1 MB probes 3 times each (loopback is fast); an allgather rank sends
-    # a third of the bytes it moves
+    # (one element), then the 1 MB probes 3 times each (the warm-up was faster than 10 s); an
+    # allgather rank sends a third of the bytes it moves
     small = [("allreduce", 171)] * 3 + [("allgather", 85)] * 3
     warm_up = [("allreduce", 174763), ("allreduce", 1)]
     large = [("allreduce", 174763)] * 3 + [("allgather", 87381)] * 3
@@ -402,11 +405,11 @@ def test_measure_links_probes_with_the_sized_messages(pool4):
 
 
 def test_a_slow_warm_up_on_one_rank_gives_every_rank_one_timed_large_message(pool2):
-    # P = 2 (a rank moves what it sends). Rank 1's clock reads the warm-up above SINGLE_LARGE_SECONDS,
-    # rank 0's below it: the agreed (max) time decides, so both ranks time each large message once
-    # and stay in step
+    # P = 2 (a rank moves what it sends). With the threshold at 40 ms, rank 1's clock reads the
+    # warm-up above it (50 ms more) and rank 0's may not: the agreed (max) time decides, so both
+    # ranks time each large message once and stay in step
     small = [("allreduce", 256)] * 3 + [("allgather", 256)] * 3
     warm_up = [("allreduce", 262144), ("allreduce", 1)]
     large = [("allreduce", 262144), ("allgather", 262144)]
-    for seen in pool2.run(probe_sizes, 1):
+    for seen in pool2.run(probe_sizes, 1, 0.04):
         assert seen == small + warm_up + large
