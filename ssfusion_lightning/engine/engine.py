@@ -449,10 +449,10 @@ class FusionEngine:
             self._launch_whole(buffer)
         else:
             self._compress_rest(buffer)
-            if self.offloader is None:
-                self._round.launched.append(self._pack_and_launch(buffer))
-            else:  # behind the buffer's offloaded pieces, and launches keep plan order on the channels
+            if self._launches_on_worker:  # behind the buffer's offloaded pieces, in plan order
                 self._round.launched.append(self.offloader.submit(self._pack_and_launch, buffer))
+            else:
+                self._round.launched.append(self._pack_and_launch(buffer))
 
     def _batched(self, slot: Slot) -> bool:
         """Whether a tensor waits for its buffer's batched work instead of its own in the hook: a
@@ -514,10 +514,17 @@ class FusionEngine:
             self._submit_launch(buffer, self._compress_buffer(buffer, grads))
 
     def _submit_launch(self, buffer: Buffer, encoded: Encoded) -> None:
-        if self.offloader is None:
-            self._round.launched.append(self._launch_encoded(buffer, encoded))
-        else:  # launches still go through the worker, so channels see buffers in plan order
+        if self._launches_on_worker:  # behind earlier offloaded buffers, so channels see plan order
             self._round.launched.append(self.offloader.submit(self._launch_encoded, buffer, encoded))
+        else:
+            self._round.launched.append(self._launch_encoded(buffer, encoded))
+
+    @property
+    def _launches_on_worker(self) -> bool:
+        """Launches queue on the offload worker only where the plan offloads some compression:
+        otherwise the main thread makes them in plan order itself, and a hand-off per buffer to a
+        worker with nothing else to do only costs CPU and a wake-up (1 core per rank, 4 ranks on 2 cores)."""
+        return self.offloader is not None and bool(self._offloaded)
 
     def _current_loss_scale(self) -> Tensor | None:
         """The factor this round's gradients carry: the tensor the scaler multiplied the loss by.

@@ -1,7 +1,8 @@
 """SSFusion-O: run sparsification off the critical path of backward.
 
-One worker thread takes every buffer's launch in plan order (so channels still see the plan
-order); buffers marked for offloading are also compressed there. On CUDA, ``stream`` compresses on
+One worker thread compresses the tensors (or buffers) the plan offloads; while a plan offloads
+any, every buffer's launch also goes through it, in plan order (so channels still see the plan
+order). A plan that offloads nothing launches from the main thread (``FusionEngine._launches_on_worker``). On CUDA, ``stream`` compresses on
 a side stream ordered by events; ``thread`` stages the gradients in pinned host memory with
 non-blocking copies and compresses on the CPU, then ships the selection back to the device.
 """
