@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import common, e2e_analyze, e2e_report, simulate
+from experiments import bench_fused_passes, common, e2e_analyze, e2e_report, simulate
 from ssfusion_lightning import commcost
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,6 +84,16 @@ def test_simulate_projects_a_monotone_step_time_from_a_tiny_csv(tmp_path):
     for r in checked:
         if r["scheme"] in ("ddp", "ssfusion", "safusion"):
             assert abs(float(r["bytes_gap_pct"])) < 6, r
+
+
+def test_fused_passes_variants_select_the_same_and_are_tabled(tmp_path):
+    """The three ways of compensating and making the selection's pass agree bit for bit (the script
+    checks it before it times them), and each gets a row."""
+    assert bench_fused_passes.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = common.read_csv(tmp_path / "fused_passes.csv")
+    assert [r["variant"] for r in rows] == ["fresh", "reused", "chunk_fused"]
+    assert float(next(r for r in rows if r["variant"] == "reused")["x_reused"]) == 1.0
+    assert (tmp_path / "fused_passes.png").stat().st_size > 0
 
 
 def test_byte_formulas_follow_algorithms_section_7():

@@ -320,6 +320,40 @@ def test_offload_auto_offloads_nothing_when_the_worker_takes_the_backwards_core(
         assert buffers == 1 and offloaded == [], offloaded
 
 
+def launching_threads(serial_cpu: float):
+    """The threads that launch each buffer of one round under offload="auto" with the given serial
+    CPU share (0: the worker takes every tensor, 1: it takes none)."""
+    torch.manual_seed(0)
+    model = TwoLayer()
+    engine = make_engine(model, "ahead", "allgather", offload="auto")
+    engine.costs = CostProfile(
+        backward={n: 0.01 for n, _ in model.named_parameters()}, compress_fixed=0.0, compress_per_element=1e-9,
+        serial_cpu=serial_cpu,
+    )
+    engine.set_plan(engine.plan)
+    launch = engine.communicator.launch
+
+    def recording(encoded, buffer, channels):
+        record("launch", str(buffer.index))
+        return launch(encoded, buffer, channels)
+
+    engine.communicator.launch = recording
+    engine.attach()
+    EVENTS.clear()
+    model(torch.randn(4, 16)).pow(2).sum().backward()
+    engine.finish()
+    engine.close()
+    return sorted({name for what, _, name in EVENTS if what == "launch"})
+
+
+def test_launches_go_through_the_worker_only_where_the_plan_offloads(pool2):
+    """Behind offloaded pieces a launch must queue on the worker (plan order on the channels);
+    with nothing offloaded the main thread launches itself, with no hand-off per buffer."""
+    for serial_cpu, thread in ((0.0, "ssfusion-offload_0"), (1.0, "MainThread")):
+        for threads in pool2.run(launching_threads, serial_cpu):
+            assert threads == [thread], (serial_cpu, threads)
+
+
 # ----------------------------------------------------------------------------- SAFusion alignment
 def test_alignment_pads_a_short_selection_without_a_full_topk(monkeypatch):
     flat = torch.arange(100, dtype=torch.float32) - 50
