@@ -272,12 +272,17 @@ def offload_run(offload: str):
         return select(tensor, key=key, k=k)
 
     engine.sparsifier.select = recording
+    one_recorded_round(engine, model)
+    return list(EVENTS), len(engine.plan.buffers)
+
+
+def one_recorded_round(engine, model) -> None:
+    """One backward and finish of ``model`` under ``engine`` with ``EVENTS`` recording it, then close."""
     engine.attach()
     EVENTS.clear()
     model(torch.randn(4, 16)).pow(2).sum().backward()
     engine.finish()
     engine.close()
-    return list(EVENTS), len(engine.plan.buffers)
 
 
 def test_offload_runs_on_the_worker_while_backward_is_busy_in_one_buffer(pool2):
@@ -292,7 +297,9 @@ def test_offload_runs_on_the_worker_while_backward_is_busy_in_one_buffer(pool2):
         assert early == {"second.weight", "second.bias"}, events
 
 
-def auto_offload_run(serial_cpu=0.0):
+def auto_offload_engine(serial_cpu: float):
+    """TwoLayer under offload="auto" on agreed costs that let the worker take every tensor, unless
+    ``serial_cpu`` says its CPU work delays the main thread."""
     torch.manual_seed(0)
     model = TwoLayer()
     engine = make_engine(model, "ahead", "allgather", offload="auto")
@@ -303,6 +310,11 @@ def auto_offload_run(serial_cpu=0.0):
         serial_cpu=serial_cpu,
     )
     engine.set_plan(engine.plan)
+    return model, engine
+
+
+def auto_offload_run(serial_cpu=0.0):
+    _, engine = auto_offload_engine(serial_cpu)
     offloaded = sorted(engine.names[i] for i in engine._offloaded)
     buffers = len(engine.plan.buffers)
     engine.close()
@@ -323,14 +335,7 @@ def test_offload_auto_offloads_nothing_when_the_worker_takes_the_backwards_core(
 def launching_threads(serial_cpu: float):
     """The threads that launch each buffer of one round under offload="auto" with the given serial
     CPU share (0: the worker takes every tensor, 1: it takes none)."""
-    torch.manual_seed(0)
-    model = TwoLayer()
-    engine = make_engine(model, "ahead", "allgather", offload="auto")
-    engine.costs = CostProfile(
-        backward={n: 0.01 for n, _ in model.named_parameters()}, compress_fixed=0.0, compress_per_element=1e-9,
-        serial_cpu=serial_cpu,
-    )
-    engine.set_plan(engine.plan)
+    model, engine = auto_offload_engine(serial_cpu)
     launch = engine.communicator.launch
 
     def recording(encoded, buffer, channels):
@@ -338,11 +343,7 @@ def launching_threads(serial_cpu: float):
         return launch(encoded, buffer, channels)
 
     engine.communicator.launch = recording
-    engine.attach()
-    EVENTS.clear()
-    model(torch.randn(4, 16)).pow(2).sum().backward()
-    engine.finish()
-    engine.close()
+    one_recorded_round(engine, model)
     return sorted({name for what, _, name in EVENTS if what == "launch"})
 
 
