@@ -2,9 +2,10 @@
 
 One worker thread compresses the tensors (or buffers) the plan offloads; while a plan offloads
 any, every buffer's launch also goes through it, in plan order (so channels still see the plan
-order). A plan that offloads nothing launches from the main thread (``FusionEngine._launches_on_worker``). On CUDA, ``stream`` compresses on
-a side stream ordered by events; ``thread`` stages the gradients in pinned host memory with
-non-blocking copies and compresses on the CPU, then ships the selection back to the device.
+order). A plan that offloads nothing launches from the main thread
+(``FusionEngine._launches_on_worker``). On CUDA, ``stream`` compresses on a side stream ordered by
+events; ``thread`` stages the gradients in pinned host memory with non-blocking copies and
+compresses on the CPU, then ships the selection back to the device.
 """
 
 from __future__ import annotations
