@@ -33,8 +33,9 @@ from torch import Tensor
 
 #: elements per chunk of the CPU selection pass. Per-thread scratch of min(CHUNK, numel)
 #: magnitudes and as many bool flags per magnitude dtype used (5 MiB for fp32 at most):
-#: selection temporaries stay bounded whatever the tensor's size. Measured on 2^23 elements at 1 and 2 threads, 2^20 is as fast as
-#: 2^21 and 2^23 (the chunk stays in cache), while 2^23 kept 48 MiB per thread.
+#: selection temporaries stay bounded whatever the tensor's size. Measured on 2^23 elements at
+#: 1 and 2 threads, 2^20 is as fast as 2^21 and 2^23 (the chunk stays in cache), while 2^23 kept
+#: 48 MiB per thread.
 CHUNK = 1 << 20
 #: below this size exact top-k runs torch.topk directly (the pre-filter cannot pay off)
 PREFILTER_MIN_NUMEL = 1 << 16
