@@ -26,7 +26,8 @@ from pathlib import Path
 from experiments.common import REPO, RESULTS, pyplot, read_csv, save_figure, write_csv
 from experiments.e2e_analyze import ENGINE_SCHEMES
 
-FIELDS = ("variant", "options", "revision", "repeat", "world", "workload", "rate", "scheme", "step_ms", "ddp_step_ms", "x_ddp_step")
+FIELDS = ("variant", "options", "revision", "repeat", "world", "workload", "rate", "scheme", "step_ms", "ddp_step_ms", "x_ddp_step",
+          "kb_sent_step")
 
 
 def run_variant(
@@ -60,6 +61,7 @@ def run_variant(
         rows.append(
             dict(variant=variant, options=options, revision=revision, repeat=repeat, world=r["world"], workload=r["workload"], rate=r["rate"],
                  scheme=r["scheme"], step_ms=f"{step:.1f}", ddp_step_ms=f"{reference:.1f}", x_ddp_step=f"{step / reference:.3f}",
+                 kb_sent_step=f"{float(r['bytes_per_step']) / 1e3:.1f}" if r.get("bytes_per_step") else "",
                  buffers=buffers.get((r["world"], r["workload"], r["rate"], r["scheme"]), ""))
         )
     return rows

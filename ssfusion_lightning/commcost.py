@@ -13,8 +13,10 @@ the nonzeros of the sum, measures how much the ranks' selections overlap (``expe
     dense part (every scheme)  allreduce: 2(P-1)/P * F v
     allreduce                  the sparse part scattered and all-reduced with the dense part, in
                                one all-reduce: 2(P-1)/P * (F + N) v
-    allgather                  allgather: (P-1) k (v+x); a dense part with F v <= k (v+x) rides
-                               in the same message, (P-1) (k (v+x) + F v), with no all-reduce
+    allgather                  allgather: (P-1) (k v + X), X the k positions: 4 B/16 + 2 k
+                               (a count per 2**16-element block, 16-bit offsets) where that is
+                               less than k x, else k x; a dense part with F v <= k v + X rides
+                               in the same message, (P-1) (k v + X + F v), with no all-reduce
     zen                        all_to_all of counts and of (P-1)/P k (v+x) pairs, allgather of
                                counts and of (P-1)/P min(N/8 + K v, K (v+x)) (bitmap or COO pull)
     sparcml                    recursive doubling: 2 point-to-point messages per round, the set
@@ -32,7 +34,8 @@ the nonzeros of the sum, measures how much the ranks' selections overlap (``expe
     hierarchical:<cross>       on nodes of L ranks, the sparse part's node step (values in v' =
                                fp32 at least) dense: 2(L-1)/L N v', or sparse: (L-1) k (v'+x) +
                                (L-1)/L K (v'+x), whichever moves fewer bytes; then <cross> on the
-                               stripe's nonzeros across nodes (``hierarchical_seconds``)
+                               stripe's nonzeros across nodes (``hierarchical_seconds``); the
+                               sparse step's positions travel as the allgather's (X above)
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ COUNT_BYTES = 8
 #: positions travel as int32 in any buffer of fewer than 2**31 elements (comm/schemes.py's
 #: ``wire_index_dtype``; ``index_bytes`` there gives 8 for a larger tensor)
 POSITION_BYTES = 4
+#: an allgather message may send its positions compactly (``compact_positions``): one int32 count
+#: per block of 2**16 elements of the part, then each position as its 16-bit offset in its block
+BLOCK_ELEMENTS = 1 << 16
+BLOCK_COUNT_BYTES = 4
+BLOCK_OFFSET_BYTES = 2
 #: Ok-Topk's reused-threshold grid (see comm/oktopk.py): one count per grid step and rank, all-gathered
 #: once for the coarse grid and once more for the fine grid inside its chosen step
 OKTOPK_GRID = 24
@@ -145,6 +153,33 @@ class BufferShape:
     def pair(self) -> int:
         return self.value_bytes + self.index_bytes
 
+    def gathered(self, k: float | None = None) -> float:
+        """Bytes of one rank's ``k`` pairs (default: the plan's k) in an allgather message."""
+        k = self.k if k is None else k
+        return k * self.value_bytes + gathered_position_bytes(self.sparse, k, index_bytes=self.index_bytes)
+
+
+def position_blocks(numel: float) -> int:
+    """Blocks of ``BLOCK_ELEMENTS`` a part of ``numel`` elements spans."""
+    return math.ceil(numel / BLOCK_ELEMENTS)
+
+
+def compact_positions(numel: float, slots: float, index_bytes: int = POSITION_BYTES) -> bool:
+    """Whether an allgather message of ``slots`` pairs from a part of ``numel`` elements sends its
+    positions as block counts and 16-bit offsets: where those take fewer bytes than ``slots``
+    positions of ``index_bytes`` each. On 2**16 elements or more per selected pair (under 0.0015%
+    density) the block counts cost more than the offsets save. From the plan's numbers alone, so
+    every rank decides alike."""
+    return position_blocks(numel) * BLOCK_COUNT_BYTES + BLOCK_OFFSET_BYTES * slots < index_bytes * slots
+
+
+def gathered_position_bytes(numel: float, count: float, slots: float | None = None, index_bytes: int = POSITION_BYTES) -> float:
+    """Bytes of ``count`` positions in an allgather message planned for ``slots`` pairs (default:
+    ``count``), in the form ``compact_positions`` picks for ``slots``."""
+    if compact_positions(numel, count if slots is None else slots, index_bytes):
+        return position_blocks(numel) * BLOCK_COUNT_BYTES + BLOCK_OFFSET_BYTES * count
+    return index_bytes * count
+
 
 def independent_nonzeros(numel: int, k: float, world: int) -> float:
     """Expected nonzeros of the sum of ``world`` independent uniform selections of k of ``numel``."""
@@ -185,10 +220,11 @@ def ring_allreduce_bytes(nbytes: float, world: int) -> float:
 def dense_rides(shape: BufferShape) -> bool:
     """Whether the allgather carries the buffer's dense part in its own message (summed by every
     rank in rank order) instead of an all-reduce of its own: where the dense part is no larger than
-    the k pairs it would ride with, F v <= k (v + x). Every rank then gathers at most twice the bytes
-    and saves a collective's latency (on 4 ranks at 40 Mbit/s, an all-reduce's alpha measured 9.8
-    ms against 3.1 ms for the allgather's). From the plan alone, so every rank decides alike."""
-    return 0 < shape.dense * shape.value_bytes <= shape.k * shape.pair
+    the k pairs it would ride with, F v <= k v + X (``BufferShape.gathered``). Every rank then
+    gathers at most twice the bytes and saves a collective's latency (on 4 ranks at 40 Mbit/s, an
+    all-reduce's alpha measured 9.8 ms against 3.1 ms for the allgather's). From the plan alone,
+    so every rank decides alike."""
+    return 0 < shape.dense * shape.value_bytes <= shape.gathered()
 
 
 def dense_seconds(numel: int, value_bytes: int, links: Links) -> float:
@@ -289,7 +325,7 @@ def sparse_seconds(scheme: str, shape: BufferShape, links: Links, spread: float 
     if scheme == "allreduce":
         return dense_seconds(shape.sparse, shape.value_bytes, links)
     if scheme == "allgather":
-        return links.allgather.seconds((p - 1) * shape.k * shape.pair)
+        return links.allgather.seconds((p - 1) * shape.gathered())
     if scheme == "zen":
         return zen_seconds(shape, links, nonzeros)
     if scheme == "sparcml":
@@ -307,7 +343,7 @@ def buffer_seconds(scheme: str, shape: BufferShape, links: Links, spread: float 
     if scheme == "allreduce":
         return dense_seconds(shape.dense + shape.sparse, shape.value_bytes, links)
     if scheme == "allgather" and shape.sparse > 0 and links.world > 1 and dense_rides(shape):
-        return links.allgather.seconds((links.world - 1) * (shape.k * shape.pair + shape.dense * shape.value_bytes))
+        return links.allgather.seconds((links.world - 1) * (shape.gathered() + shape.dense * shape.value_bytes))
     return dense_seconds(shape.dense, shape.value_bytes, links) + sparse_seconds(scheme, shape, links, spread)
 
 
@@ -330,7 +366,8 @@ def node_step_collectives(
     of a byte per element marking the applied positions). ``sparse``: allgather of every local
     rank's k pairs (the plan bounds the counts: no count round, as a flat allgather), then of the
     summed stripes' nonzeros, after a count round (for Ok-Topk, then of the applied positions).
-    ``relay``: one allgather of the N pieces of k pairs each local rank received across nodes."""
+    ``relay``: one allgather of the N pieces of k pairs each local rank received across nodes.
+    The allgathers send positions as ``gathered_position_bytes`` says, the relay's as int32."""
     if step not in NODE_STEPS:
         raise ValueError(f"unknown node step {step!r}; valid choices: {', '.join(NODE_STEPS)}")
     if step == RELAY and cross != "allgather":
@@ -344,11 +381,14 @@ def node_step_collectives(
     oktopk = cross == "oktopk"
     if step == "dense":
         return [share * shape.sparse * acc] * 2 + ([share * shape.sparse] if oktopk else [])
-    pair = acc + shape.index_bytes
     counts = (per_node - 1) * COUNT_BYTES
-    shared = share * hierarchical_nonzeros(cross, shape, per_node, nodes, spread)
-    collectives = [(per_node - 1) * shape.k * pair, counts, shared * pair]
-    return collectives + ([counts, shared * (shape.index_bytes + 1)] if oktopk else [])
+    stripe = hierarchical_nonzeros(cross, shape, per_node, nodes, spread) / per_node
+
+    def gathered(count: float) -> float:  # allgathers over the whole part's positions
+        return (per_node - 1) * (count * acc + gathered_position_bytes(shape.sparse, count, index_bytes=shape.index_bytes))
+
+    collectives = [gathered(shape.k), counts, gathered(stripe)]
+    return collectives + ([counts, share * per_node * stripe * (shape.index_bytes + 1)] if oktopk else [])
 
 
 def choose_node_step(cross: str, shape: BufferShape, per_node: int, nodes: int) -> str:

@@ -227,8 +227,9 @@ def test_auto_plans_are_identical_on_every_rank(pool3):
 
 def test_the_cut_charges_a_small_dense_part_as_riding_in_the_allgather():
     # 2 ranks, 1 ns/B, no backward, compression or overhead; t0: 1000 sparse elements (k = 10),
-    # t1: 10 dense ones. Together: 40 dense bytes <= 10 pairs' 80, so the allgather carries them:
-    #   a_g + (8 * 10 + 4 * 10) ns, whatever the all-reduce's latency a_r.
+    # t1: 10 dense ones. Together: 40 dense bytes <= 10 pairs' 64 (40 B of values, positions
+    # compact: a 4-byte block count and 2 bytes each), so the allgather carries them:
+    #   a_g + (64 + 4 * 10) ns, whatever the all-reduce's latency a_r.
     # t1 alone is a dense buffer and pays its own all-reduce: a_r + 4 * 10 ns.
     params = specs([1000, 10])
     sparse_of = lambda spec: spec.name == "t0"  # noqa: E731
@@ -238,6 +239,6 @@ def test_the_cut_charges_a_small_dense_part_as_riding_in_the_allgather():
         allreduce=Link(1.0, 1e-9), allgather=Link(50e-6, 1e-9),
     )
     together = [params]
-    assert modelled_finish(together, costs, sparse_of, k_of) == pytest.approx(50e-6 + 120e-9)
-    assert modelled_finish([params[:1], params[1:]], costs, sparse_of, k_of) == pytest.approx(50e-6 + 80e-9 + 1.0 + 40e-9)
+    assert modelled_finish(together, costs, sparse_of, k_of) == pytest.approx(50e-6 + 104e-9)
+    assert modelled_finish([params[:1], params[1:]], costs, sparse_of, k_of) == pytest.approx(50e-6 + 64e-9 + 1.0 + 40e-9)
     assert cut_by_cost(params, costs, sparse_of, k_of) == together

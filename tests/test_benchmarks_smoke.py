@@ -39,11 +39,13 @@ def _synthetic_e2e(tmp: Path) -> None:
         for rate, mbit in (("unshaped", "inf"), ("100mbit", "100")):
             bw = (2e9 if mbit == "inf" else 100e6) / 8 * 0.95
             dense = 2 * (world - 1) / world * params * 4
+            # k = 10,000 values and compact positions: a 4-byte count per 2**16-element block, 2 bytes each
+            gathered = (world - 1) * (10_000 * 4 + 16 * 4 + 10_000 * 2)
             compute = 0.1 * world / 2
             for scheme, sent, compress in (("compute_only", 0, None), ("ddp", dense, None),
                                            ("ddp_powersgd", 2 * (world - 1) / world * 40_000, None),
-                                           ("ssfusion", (world - 1) * 10_000 * 8, 0.01), ("zen", 150_000, 0.01),
-                                           ("oktopk", 200_000, 0.01), ("safusion", (world - 1) * 10_000 * 8, 0.01)):
+                                           ("ssfusion", gathered, 0.01), ("zen", 150_000, 0.01),
+                                           ("oktopk", 200_000, 0.01), ("safusion", gathered, 0.01)):
                 exposed = 0.0 if scheme == "compute_only" else sent / bw + 0.002
                 step = compute + exposed + (compress or 0) + 0.005
                 summary.append({
@@ -101,7 +103,8 @@ def test_byte_formulas_follow_algorithms_section_7():
     w = simulate.Workload("toy", n, 0, n, k, 1)
     for world in (2, 4, 16, 1024):
         assert simulate.scheme_bytes("ddp", w, world) == pytest.approx(2 * (world - 1) / world * n * 4)
-        assert simulate.scheme_bytes("safusion", w, world) == pytest.approx((world - 1) * k * 8)
+        # k values, positions compact: a 4-byte count per 2**16-element block (16 here), 2 bytes each
+        assert simulate.scheme_bytes("safusion", w, world) == pytest.approx((world - 1) * (k * 4 + 16 * 4 + k * 2))
         union = n * (1 - (1 - k / n) ** world)
         # the pull as a bitmap or as COO, whichever is smaller (ZEN sends the smaller)
         pull = min(n / 8 + union * 4, union * 8)
@@ -497,22 +500,24 @@ def test_hierarchical_and_flat_schemes_on_2_nodes_of_2_ranks_at_hand_computed_po
     w = simulate.Workload("toy", 10**6, 0, 10**6, 10**4, 1)
     layout = _layout(2, 2, 1, 800.0, 8.0, a)
     assert bn == pytest.approx(95e6) and bc == pytest.approx(0.95e6)
-    # hierarchical:allgather: the sparse node step, 3 collectives of 1 round each: the other local
-    # rank's 10^4 pairs of 8 B, a count (8 B), the other stripe's share of the sum's 10^6 (1 - 0.99^4)
-    # = 39,403.99 nonzeros, 4 * 39,403.99 B: 3a + 237,623.96 / bn (the dense step's reduce-scatter
-    # and all-gather of half of 4 MB each would take 2 * (a + 2e6 / bn)); a node's union of 2
+    # hierarchical:allgather: the sparse node step, 3 collectives of 1 round each, 4 B values and
+    # compact positions (a 4-byte count per 2^16-element block, 16 of them, then 2 B each): the
+    # other local rank's 10^4 pairs, 60,064 B, a count (8 B), the other stripe's share of the sum's
+    # 10^6 (1 - 0.99^4) = 39,403.99 nonzeros, 6 * 19,701.995 + 64 B: 3a + 178,347.97 / bn (the dense
+    # step's reduce-scatter and all-gather of half of 4 MB each would take 2 * (a + 2e6 / bn)); a node's union of 2
     # selections is 10^6 (1 - 0.99^2) = 19,900, 9,950 per stripe; the 2 local ranks cross at once on
-    # the one NIC (half its rate each): the allgather over 2 nodes moves 9,950 pairs of 8 B:
-    # a + 79,600 / (bc / 2), after a round that agrees on the largest count (8 B): a + 8 / (bc / 2)
-    hier = 3 * a + 237_623.96 / bn + a + 79_600 / (bc / 2) + a + 8 / (bc / 2)
-    assert hier == pytest.approx(0.175097, rel=1e-5)
+    # the one NIC (half its rate each): the allgather over 2 nodes moves 9,950 values of 4 B and
+    # their positions compact (8 blocks of the 5 * 10^5-element stripe, 4 B each, and 2 B per
+    # position): a + 59,732 / (bc / 2), after a round that agrees on the largest count (8 B): a + 8 / (bc / 2)
+    hier = 3 * a + 178_347.97 / bn + a + 59_732 / (bc / 2) + a + 8 / (bc / 2)
+    assert hier == pytest.approx(0.132646, rel=1e-5)
     assert simulate.layout_comm_seconds("hierarchical:allgather", w, layout) == pytest.approx(hier)
     # flat allgather: gloo's one ring crosses each node once each way, so the ring runs at the
-    # NIC's rate: 3 rounds and 3 * 10^4 pairs
-    flat = 3 * a + 3 * 10**4 * 8 / bc
+    # NIC's rate: 3 rounds and 3 * 10^4 pairs (4 B values, positions in 16 blocks of 4 B and 2 B each)
+    flat = 3 * a + 3 * (10**4 * 4 + 16 * 4 + 10**4 * 2) / bc
     assert simulate.layout_comm_seconds("allgather", w, layout) == pytest.approx(flat)
     assert simulate.layout_comm_seconds("allgather", w, _layout(4, 1, 1, 800.0, 8.0, a)) == pytest.approx(flat)
-    assert hier / flat == pytest.approx(0.6850, abs=1e-4)
+    assert hier / flat == pytest.approx(0.6884, abs=1e-4)
     # dense DDP: the workload's 1 bucket, 2(P-1) rounds, 2 * 3/4 * 4 MB through the NIC
     assert simulate.layout_comm_seconds("ddp", w, layout) == pytest.approx(6 * a + 6e6 / bc)
     # all_to_all: 2/3 of a rank's bytes leave the node, 2 ranks per NIC: 4/3 of the NIC's time per byte
@@ -524,14 +529,15 @@ def test_hierarchical_and_flat_schemes_on_2_nodes_of_2_ranks_at_hand_computed_po
 
 
 def test_auto_leaves_out_the_hierarchical_schemes_where_ranks_have_no_cpu_to_spare():
-    # the same 2x2 cluster where hierarchical:allgather is modelled 0.685 x the flat allgather (above)
+    # the same 2x2 cluster where hierarchical:allgather is modelled 0.688 x the flat allgather (above)
     # relay forms no sums: the other local rank's 2 pieces of 10^4 pairs and their counts inside the
-    # node, a + 160,008 / bn; the rank's 10^4 pairs to the other node on half the NIC, a + 80,000 / (bc / 2)
+    # node, a + 160,008 / bn; the rank's 10^4 pairs to the other node on half the NIC, positions
+    # compact, a + 60,064 / (bc / 2)
     a, bn, bc = 1e-3, 800e6 / 8 * GOOD, 8e6 / 8 * GOOD
-    relay = 2 * a + 160_008 / bn + 80_000 / (bc / 2)
+    relay = 2 * a + 160_008 / bn + 60_064 / (bc / 2)
     w = simulate.Workload("toy", 10**6, 0, 10**6, 10**4, 1)
     spare = _layout(2, 2, 1, 800.0, 8.0, a)
-    assert relay == pytest.approx(0.172105, rel=1e-5)
+    assert relay == pytest.approx(0.130135, rel=1e-5)
     assert simulate.layout_comm_seconds(commcost.RELAY_SCHEME, w, spare) == pytest.approx(relay)
     assert set(simulate.HIER_SCHEMES) <= set(simulate.layout_candidates(spare))
     assert simulate.auto_choice(w, spare) == commcost.RELAY_SCHEME

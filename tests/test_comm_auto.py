@@ -103,34 +103,38 @@ def test_oktopk_at_large_p_and_zen_among_exact_schemes_or_when_selections_coinci
 def test_hierarchical_sync_wins_when_the_node_link_is_fast():
     # 2 nodes x 4 ranks (P = 8); cross-node and flat links 50 us + 1 ns/B, the node link 5 us +
     # 0.01 ns/B. N = 10^6, k = 10^4 (1%); independent selections.
-    # Flat: allgather 50 + 7 * 8 * 10^4 ns = 610 us; sparcml (messages of 50/7 us) 6 * 7.14 +
+    # Flat: allgather 50 + 7 * (4 * 10^4 + 16 * 4 + 2 * 10^4) ns = 470.45 us (4 B values; positions
+    #   compact: a 4-byte count per 2^16-element block, 2 B each); sparcml (messages of 50/7 us) 6 * 7.14 +
     #   8 * (10^4 + 19,900 + 39,404) ns = 597 us; zen 200 + 7/8 * (8 * 10^4 + 434,020) ns = 650 us;
     #   oktopk 4 collectives 200 us + counts 0.06 us + split 70 us + 31/32 * (kept 77 + balance 25.7
     #   + 2 grid gathers 102.7 us) + 1/32 * (kept 70 + balance 23.3 + the exact threshold's sizes,
     #   kept counts and 7 * 4 * K/8 ns of magnitudes: 420.5 us) + the regions' all-reduce 50.1 / 64 us
-    #   = 486 us -> oktopk.
-    # Hierarchical: inside the node, the sparse node step (its 0.7 MB against the dense step's 6 MB):
-    #   the 3 other local ranks' k pairs, 3 * 8 * 10^4 B: 5 + 2.4 us; a count round, 5 us; the other
-    #   stripes' share of the sum's 77,255 nonzeros (8 independent selections), 3/4 * 8 * 77,255 B:
-    #   5 + 4.64 us -> 22.04 us (the dense step: 2 * (5 + 30) = 70 us); a node's union of 4 selections
-    #   is 39,404, 9,851 per stripe of 250,000; across the 2 nodes sparcml sends its header and its
-    #   9,851 pairs: 100 + 78.8 = 178.8 us -> 200.84 us in all (cross allgather: the same, plus 8 B for
-    #   the count round a stripe's unbounded count needs; cross zen and oktopk pay >= 200 us of latency).
+    #   = 486 us -> allgather.
+    # Hierarchical: inside the node, the sparse node step (its 0.5 MB against the dense step's 6 MB),
+    #   positions compact as above: the 3 other local ranks' k pairs, 3 * 60,064 B: 5 + 1.80 us; a
+    #   count round, 5 us; the other stripes' shares of the sum's 77,255 nonzeros (8 independent
+    #   selections), 19,313.8 each, 3 * (6 * 19,313.8 + 64) B: 5 + 3.48 us -> 20.28 us (the dense
+    #   step: 2 * (5 + 30) = 70 us); a node's union of 4 selections is 39,404, 9,851 per stripe of
+    #   250,000; across the 2 nodes the allgather sends 9,851 values and their compact positions (4
+    #   blocks): 50 + 59.12 us, plus the count round a stripe's unbounded count needs, 50.008 us ->
+    #   179.41 us in all (cross sparcml: its header and 9,851 pairs of 8 B, 100 + 78.8 us -> 199.09
+    #   us; cross zen and oktopk pay >= 200 us of latency).
     # Relay forms no sums: each rank's 10^4 pairs cross to the other node in one allgather of 2,
-    #   50 + 8 * 10^4 ns = 130 us; then the node all-gathers what its 3 other ranks received, 2 pieces
-    #   of k pairs and their int32 counts each, 3 * (2 * 8 * 10^4 + 8) B: 5 + 4.80024 us -> 139.80 us.
+    #   50 + 60.064 us; then the node all-gathers what its 3 other ranks received, 2 pieces of k
+    #   pairs and their int32 counts each, 3 * (2 * 8 * 10^4 + 8) B: 5 + 4.80024 us -> 119.86 us.
     shape = BufferShape(dense=0, sparse=10**6, k=10**4)
     flat = links(8)
     hierarchy = (links(4, alpha_us=5, ns_per_byte=0.01), links(2))
-    assert choose_scheme(shape, flat) == "oktopk"
+    assert choose_scheme(shape, flat) == "allgather"
+    assert buffer_seconds("allgather", shape, flat) == pytest.approx(470.448e-6, rel=1e-9)
     assert buffer_seconds("oktopk", shape, flat) == pytest.approx(486e-6, rel=0.01)
     striped = tuple(s for s in HIERARCHICAL_SCHEMES if s != RELAY_SCHEME)
     best = choose_scheme(shape, flat, SCHEMES + striped, hierarchy=hierarchy)
-    assert best == "hierarchical:sparcml"
-    assert scheme_seconds(best, shape, flat, hierarchy=hierarchy) == pytest.approx(200.84e-6, rel=1e-4)
-    assert scheme_seconds("hierarchical:allgather", shape, flat, hierarchy=hierarchy) == pytest.approx(200.85e-6, rel=1e-4)
+    assert best == "hierarchical:allgather"
+    assert scheme_seconds(best, shape, flat, hierarchy=hierarchy) == pytest.approx(179.41e-6, rel=1e-4)
+    assert scheme_seconds("hierarchical:sparcml", shape, flat, hierarchy=hierarchy) == pytest.approx(199.09e-6, rel=1e-4)
     assert choose_scheme(shape, flat, SCHEMES + HIERARCHICAL_SCHEMES, hierarchy=hierarchy) == RELAY_SCHEME
-    assert scheme_seconds(RELAY_SCHEME, shape, flat, hierarchy=hierarchy) == pytest.approx(139.80024e-6, rel=1e-9)
+    assert scheme_seconds(RELAY_SCHEME, shape, flat, hierarchy=hierarchy) == pytest.approx(119.86424e-6, rel=1e-9)
 
 
 def test_relay_is_charged_as_the_relay_node_step_of_the_cross_allgather():
@@ -157,7 +161,7 @@ def test_auto_offers_hierarchical_schemes_only_on_nodes_of_several_ranks():
     striped = COMMUNICATORS.build("auto", schemes=[*SCHEMES, "hierarchical:sparcml"], dense_fallback=False)
     assert striped.assign(plan, CommContext(8, fast_node, {0: 4}, (4, 2))).buffers[0].comm == "hierarchical:sparcml"
     for layout in (None, (8, 1), (1, 8)):
-        assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, layout)).buffers[0].comm == "oktopk"
+        assert auto.assign(plan, CommContext(8, fast_node, {0: 4}, layout)).buffers[0].comm == "allgather"
     only_hierarchical = COMMUNICATORS.build("auto", schemes=["hierarchical:zen"])
     with pytest.raises(ValueError, match="every candidate .* is hierarchical, but the layout has no node groups"):
         only_hierarchical.assign(plan, CommContext(8, fast_node, {0: 4}, None))
@@ -176,7 +180,7 @@ def test_auto_keeps_to_flat_schemes_and_relay_without_a_core_to_spare():
     auto = COMMUNICATORS.build("auto", dense_fallback=False)
     for serial, expected, expected_all in (
         (0.0, "hierarchical:sparcml", RELAY_SCHEME), (0.5, "hierarchical:sparcml", RELAY_SCHEME),
-        (0.51, "oktopk", RELAY_SCHEME), (1.0, "oktopk", RELAY_SCHEME),
+        (0.51, "allgather", RELAY_SCHEME), (1.0, "allgather", RELAY_SCHEME),
     ):
         context = CommContext(8, CostProfile(serial_cpu=serial, **costs), {0: 4}, (4, 2))
         assert striped.assign(plan, context).buffers[0].comm == expected, serial

@@ -212,8 +212,9 @@ def run_node_traffic(node: str, max_count: int | None, ranks_per_node: int = 4) 
 def test_the_sparse_node_step_sends_k_pairs_not_n_values(pool4):
     # 4 ranks in one node, N = 20,000 (stripes of 5,000), k = 200, fp32 values, int32 positions.
     # dense: reduce-scatter and all-gather, each 3 stripes of 5,000 values: 2 * 3 * 20,000 = 120,000 B
-    # sparse: a count to each of the 3 others (24 B, none under max_count), 3 * 200 pairs of 8 B,
-    # then another count round and 3 copies of the nonzeros of this rank's stripe of the sum
+    # sparse: a count to each of the 3 others (24 B, none under max_count), 3 copies of 200 pairs
+    # (4 B values; positions compact: a 4-byte count for the part's one 2^16 block, then 2 B each),
+    # then another count round and 3 copies of the nonzeros of this rank's stripe of the sum, alike
     expected = flat_sum(4, TRAFFIC_NUMEL, TRAFFIC_K)
     dense = pool4.run(run_node_traffic, "dense", None)
     for max_count, count_round in ((None, 24), (TRAFFIC_K, 0)):
@@ -222,30 +223,33 @@ def test_the_sparse_node_step_sends_k_pairs_not_n_values(pool4):
             assert dense_sent == 120_000
             assert torch.equal(total, expected) and torch.equal(dense_total, expected)
             stripe = int(expected[rank * 5000 : (rank + 1) * 5000].count_nonzero())
-            assert sent == count_round + 3 * 200 * 8 + 24 + 3 * stripe * 8, f"rank {rank}"
+            assert sent == count_round + 3 * (200 * 6 + 4) + 24 + 3 * (stripe * 6 + 4), f"rank {rank}"
             assert sent < dense_sent / 10
 
 
 def test_the_node_step_is_sparse_while_the_sum_stays_sparse():
-    # 2 nodes x 2 ranks, N = 10^6, fp32 values and int32 positions (a pair: 8 B). Bytes a rank
-    # receives on the node link:
+    # 2 nodes x 2 ranks, N = 10^6, fp32 values; the allgathers' positions compact: a 4-byte count per
+    # 2^16-element block (16 of them, 64 B), then 2 B each. Bytes a rank receives on the node link:
     #   dense:  reduce-scatter and all-gather, 1/2 * 4 * 10^6 B each            = 4,000,000
-    #   sparse: the other local rank's k pairs, 8k; a count (8 B); the other stripe's share of the
-    #           sum's K nonzeros, 1/2 * 8K, with K = N (1 - (1 - k/N)^4) (independent selections)
-    #     1%  (k = 10^4):    80,000 + 8 + 4 * 39,403.99    =   237,624 -> sparse
-    #     20% (k = 2*10^5):  1,600,000 + 8 + 4 * 590,400   = 3,961,608 -> sparse
-    #     21% (k = 2.1*10^5): 1,680,000 + 8 + 4 * 610,499  = 4,122,005 -> dense
-    #     60% (k = 6*10^5):  4,800,000 alone is more                   -> dense
-    for k, step, sparse_bytes in ((10**4, "sparse", 237_624), (2 * 10**5, "sparse", 3_961_608), (21 * 10**4, "dense", 4_122_005)):
+    #   sparse: the other local rank's k pairs, 6k + 64; a count (8 B); the other stripe's share of
+    #           the sum's K nonzeros, 6K/2 + 64, with K = N (1 - (1 - k/N)^4) (independent selections)
+    #     1%  (k = 10^4):    60,064 + 8 + 6 * 19,701.995 + 64   =   178,348 -> sparse
+    #     20% (k = 2*10^5):  1,200,064 + 8 + 6 * 295,200 + 64   = 2,971,336 -> sparse
+    #     29% (k = 2.9*10^5): 1,740,064 + 8 + 6 * 372,941.6 + 64 = 3,977,786 -> sparse
+    #     30% (k = 3*10^5):  1,800,064 + 8 + 6 * 379,950 + 64   = 4,079,836 -> dense
+    #     60% (k = 6*10^5):  3,600,064 + 8 + 6 * 487,200 + 64 is more       -> dense
+    for k, step, sparse_bytes in ((10**4, "sparse", 178_348), (2 * 10**5, "sparse", 2_971_336), (29 * 10**4, "sparse", 3_977_786),
+                                  (30 * 10**4, "dense", 4_079_836)):
         shape = BufferShape(0, 10**6, k)
         assert sum(node_step_collectives("dense", "allgather", shape, 2, 2)) == 4_000_000
         assert sum(node_step_collectives("sparse", "allgather", shape, 2, 2)) == pytest.approx(sparse_bytes, abs=1)
         assert choose_node_step("allgather", shape, 2, 2) == step
     assert choose_node_step("allgather", BufferShape(0, 10**6, 6 * 10**5), 2, 2) == "dense"
     # Ok-Topk shares back about its kept entries (1.1 x k), and their positions (5 B each) after a
-    # count: at 1% 80,000 + 8 + 4 * 11,000 + 8 + 2.5 * 11,000 against 4,500,000 with the byte mask
+    # count: at 1% 60,064 + 8 + (4 * 5,500 + 64 + 2 * 5,500) + 8 + 2.5 * 11,000 against 4,500,000
+    # with the byte mask
     shape = BufferShape(0, 10**6, 10**4)
-    assert sum(node_step_collectives("sparse", "oktopk", shape, 2, 2)) == pytest.approx(151_516)
+    assert sum(node_step_collectives("sparse", "oktopk", shape, 2, 2)) == pytest.approx(120_644)
     assert sum(node_step_collectives("dense", "oktopk", shape, 2, 2)) == 4_500_000
     assert choose_node_step("oktopk", shape, 2, 2) == "sparse"
     # one rank per node: no node step at all, and nothing to choose
@@ -326,19 +330,21 @@ def test_relay_training_matches_the_flat_allgather_and_keeps_every_rank_identica
 
 
 def test_relay_sends_each_rank_pairs_once_per_other_node_and_the_gathered_pieces_in_the_node(pool4):
-    # 2 nodes x 2 ranks, k = 200 pairs of 8 B (fp32, int32): across nodes, a rank's 200 pairs to the
-    # one other node (1,600 B); in the node, the 2 pieces it received (400 pairs) to its 1 neighbour
-    # (3,200 B): 4,800 B, as commcost models the two steps. Padded: headers (a count across nodes; 2
-    # piece counts in the node, both rounded up to 8 B) and no count round under the plan's bound.
+    # 2 nodes x 2 ranks, k = 200 pairs: across nodes, a rank's 200 pairs to the one other node, 4 B
+    # values and compact positions (a 4-byte count for the part's one 2^16 block, 2 B each): 1,204 B;
+    # in the node, the 2 pieces it received (400 pairs of 8 B: fp32, int32) to its 1 neighbour
+    # (3,200 B): 4,404 B, as commcost models the two steps. Padded: headers (a count and the block
+    # count across nodes; 2 piece counts in the node, both rounded up to 8 B) and no count round
+    # under the plan's bound.
     expected = flat_sum(4, TRAFFIC_NUMEL, TRAFFIC_K)
     shape = BufferShape(0, TRAFFIC_NUMEL, TRAFFIC_K, 4)
     for sent, total, padded in pool4.run(run_node_traffic, RELAY, TRAFFIC_K, 2):
         assert torch.equal(total, expected)
-        assert sent == 4_800
-        assert padded == (8 + 1_600) + (8 + 3_200)
+        assert sent == 4_404
+        assert padded == (8 + 400 + 800) + (8 + 3_200)
         assert node_step_collectives(RELAY, "allgather", shape, 2, 2) == [3_200 + 2 * 4]
     for sent, total, _ in pool4.run(run_node_traffic, RELAY, None, 2):  # unbounded: the counts first
-        assert torch.equal(total, expected) and sent == 4_800 + 2 * 8
+        assert torch.equal(total, expected) and sent == 4_404 + 2 * 8
 
 
 def test_relay_is_refused_with_a_cross_step_that_sums():

@@ -38,7 +38,7 @@ class Mixed(nn.Module):
         x = self.emb(tokens).mean(1)
         return self.head(torch.relu(self.fc2(self.norm(self.fc1(x))))) * self.scale
 
-WIRE_INDEX_BYTES = 4  # the allgather sends positions as int32
+WIRE_INDEX_BYTES = 4  # positions as int32 (where not compact)
 
 
 def build_engine(
@@ -213,8 +213,13 @@ def test_selective_keeps_the_density_of_its_sparse_tensors_and_bytes_match_the_f
             if dense is not None:
                 sent_bytes += ring_allreduce_bytes(dense.numel() * value_bytes, world)
             if values is not None:
-                # topk's count is known from the plan: no count exchange; int32 positions
-                sent_bytes += (world - 1) * values.numel() * (value_bytes + WIRE_INDEX_BYTES)
+                # topk's count is known from the plan (no count exchange); positions int32, or a
+                # 4-byte count per block of 2**16 elements and 2 bytes each where that is fewer
+                slots = sum(slot.k for slot in buffer.sparse_slots)
+                blocks = -(-sparse_numel // 2**16)
+                compact = 4 * blocks + 2 * slots < WIRE_INDEX_BYTES * slots
+                positions = 4 * blocks + 2 * selected if compact else WIRE_INDEX_BYTES * selected
+                sent_bytes += (world - 1) * (selected * value_bytes + positions)
         assert metrics.bytes_sent == sent_bytes
 
 

@@ -79,13 +79,25 @@ def sparse_view(dense):
 
 
 # ----------------------------------------------------------------------------- byte formulas
-def allgather_bytes(inputs, rank, vbytes):
-    """One 8-byte count per peer, then each rank's pairs (padding and the count header not counted)."""
+def compact(numel, slots):
+    """Whether positions travel as a 4-byte count per block of 2**16 elements and a 2-byte offset
+    each: where that is fewer bytes than int32 positions for ``slots`` pairs."""
+    return 4 * -(-numel // 2**16) + 2 * slots < X * slots
+
+
+def allgather_bytes(inputs, rank, vbytes, numel, slots=None):
+    """One 8-byte count per peer, then each rank's pairs (padding and the count header not counted),
+    positions compact where ``compact`` says so for the slots (default: the largest count)."""
     world = len(inputs)
     counts = [v.numel() for v, _ in inputs]
     small = (world - 1) * 8
-    pair = vbytes + X
-    return small + (world - 1) * counts[rank] * pair, small + (sum(counts) - counts[rank]) * pair
+    blocks = -(-numel // 2**16)
+    compact_ = compact(numel, max(counts) if slots is None else slots)
+
+    def pairs(count):
+        return count * vbytes + (4 * blocks + 2 * count if compact_ else X * count)
+
+    return small + (world - 1) * pairs(counts[rank]), small + sum(pairs(c) for r, c in enumerate(counts) if r != rank)
 
 
 def zen_bytes(inputs, rank, vbytes, total):
@@ -171,7 +183,7 @@ def check_schemes(world, inputs, numel, exact=True):
             # bitwise identical on every rank
             assert torch.equal(nz, nz0) and torch.equal(vals, vals0), f"{scheme}: rank {rank} differs from rank 0"
             if scheme == "allgather":
-                formula = allgather_bytes(inputs, rank, vbytes)
+                formula = allgather_bytes(inputs, rank, vbytes, numel)
             elif scheme == "zen":
                 formula = zen_bytes(inputs, rank, vbytes, reference)
             else:
@@ -490,9 +502,13 @@ def test_allgather_with_count_bound_skips_the_count_exchange(pools, world, numel
     for rank, ((nz, vals), traffic) in enumerate(pools[world].run(run_bounded_allgather, inputs, numel, bound, False)):
         assert torch.equal(nz, expected_nz) and torch.equal(vals, expected_vals)
         small = (world - 1) * 8
-        sent, received = allgather_bytes(inputs, rank, 4)
+        sent, received = allgather_bytes(inputs, rank, 4, numel, bound)
         assert (traffic.sent, traffic.received) == (sent - small, received - small)
-        wire = (world - 1) * (math.ceil((bound + 1) * X / 8) * 8 + bound * 4)
+        if compact(numel, bound):  # the count and the block counts, then 2-byte offsets
+            positions = math.ceil((4 * (1 + -(-numel // 2**16)) + 2 * bound) / 8) * 8
+        else:
+            positions = math.ceil((bound + 1) * X / 8) * 8
+        wire = (world - 1) * (positions + bound * 4)
         assert (traffic.padded_sent, traffic.padded_received) == (wire, wire)
     assert counts[world - 1] == 0  # an empty rank still takes part
 
@@ -502,9 +518,50 @@ def test_allgather_equal_counts_and_a_violated_bound(pools):
     expected = sparse_view(dense_sum(inputs, 1000).to(torch.float32))
     for (nz, vals), traffic in pools[3].run(run_bounded_allgather, inputs, 1000, None, True):
         assert torch.equal(nz, expected[0]) and torch.equal(vals, expected[1])
-        assert traffic.sent == 2 * 10 * (4 + X)
+        assert traffic.sent == 2 * (10 * 4 + 4 + 10 * 2)  # compact: one block count, 2-byte offsets
     with pytest.raises(Exception, match="exceed the announced bound max_count=9"):
         pools[3].run(run_bounded_allgather, inputs, 1000, 9, False)
+
+
+def run_block_edges(numel, positions_of_rank):
+    rank = dist.get_rank()
+    indices = torch.tensor(positions_of_rank[rank], dtype=torch.int64)
+    values = indices.to(torch.float32) + 1 + rank
+    traffic = Traffic()
+    total = SPARSE_SCHEMES.get("allgather")(values, indices, numel, None, traffic)
+    return sparse_view(total), traffic.sent
+
+
+def test_compact_positions_at_block_edges(pools):
+    """Offsets at both ends of the int16 range, empty blocks, the last element, unsorted input and
+    a rank with nothing selected: the sums are exact, and the bytes are one block count per block
+    and 2 bytes per position."""
+    numel = 3 * 2**16 + 5
+    edges = [0, 32767, 32768, 65535, 65536, 3 * 2**16 + 4]
+    positions_of_rank = [edges[::-1] + list(range(200, 100, -5)), [65535, 65536, 131071, 9], []]
+    assert compact(numel, len(positions_of_rank[0]))
+    expected = torch.zeros(numel, dtype=torch.float64)
+    for rank, positions in enumerate(positions_of_rank):
+        for position in positions:
+            expected[position] += position + 1 + rank
+    expected_nz, expected_vals = sparse_view(expected.to(torch.float32))
+    for rank, ((nz, vals), sent) in enumerate(pools[3].run(run_block_edges, numel, positions_of_rank)):
+        assert torch.equal(nz, expected_nz) and torch.equal(vals, expected_vals)
+        count = len(positions_of_rank[rank])
+        assert sent == 2 * 8 + 2 * (count * 4 + 4 * 4 + 2 * count)  # count round, then 4 blocks
+
+
+def test_compact_positions_where_the_block_counts_cost_less():
+    from ssfusion_lightning.commcost import compact_positions, gathered_position_bytes
+
+    # one block: 4 B of count against 2 B saved per pair
+    assert not compact_positions(2**16, 2) and compact_positions(2**16, 3)
+    # 160 blocks (10.5M elements) pay 640 B: compact from 321 pairs (0.003% density) on
+    assert not compact_positions(160 * 2**16, 320) and compact_positions(160 * 2**16, 321)
+    assert gathered_position_bytes(160 * 2**16, 1000) == 640 + 2000
+    assert gathered_position_bytes(160 * 2**16, 100) == 400
+    # a message padded to more slots than its count is laid out for the slots
+    assert gathered_position_bytes(2**16, 1, slots=100) == 4 + 2
 
 
 # ----------------------------------------------------------------------------- rounds (issue 14, item 4)
@@ -786,8 +843,9 @@ def test_a_small_dense_part_rides_in_the_allgather_and_sums_exactly(pools, world
     numel, k = 5000, 60
     inputs = make_inputs(world, "random", numel, k, torch.int64, torch.float32, set(), 5)
     expected_sparse = dense_sum(inputs, numel).to(torch.float32)
-    # F v <= k (v + x): 120 dense values (480 B) ride with 60 pairs (480 B); 121 do not
-    for dense_numel, rides in ((120, True), (121, False)):
+    # F v <= k v + X: 91 dense values (364 B) ride with 60 pairs (240 B of values, positions
+    # compact: 4 B of block count and 120 B of offsets); 92 do not
+    for dense_numel, rides in ((91, True), (92, False)):
         expected_dense = torch.arange(dense_numel, dtype=torch.float32) * sum(range(1, world + 1))
         results = pools[world].run(run_riding, inputs, numel, dense_numel, k)
         for dense, sparse, calls, rode in results:
@@ -809,13 +867,14 @@ def test_dense_rides_at_hand_computed_points():
         sparse_seconds,
     )
 
-    assert dense_rides(BufferShape(120, 5000, 60)) and not dense_rides(BufferShape(121, 5000, 60))
+    # 60 pairs of 5,000 elements gather 60 * 4 + 4 + 60 * 2 = 364 B (compact positions)
+    assert dense_rides(BufferShape(91, 5000, 60)) and not dense_rides(BufferShape(92, 5000, 60))
     assert not dense_rides(BufferShape(0, 5000, 60))
-    # 4 ranks, alpha 3 ms / 10 ms, 0.2 us/B: riding gathers 3 (60 * 8 + 120 * 4) = 2,880 B in one
-    # allgather: 3 ms + 0.576 ms; apart, the all-reduce of 480 B adds 10 ms + 0.144 ms
+    # 4 ranks, alpha 3 ms / 10 ms, 0.2 us/B: riding gathers 3 (364 + 91 * 4) = 2,184 B in one
+    # allgather: 3 ms + 0.437 ms; apart, the all-reduce of 368 B adds 10 ms + 0.110 ms
     links = Links(4, Link(10e-3, 0.2e-6), Link(3e-3, 0.2e-6), Link(3e-3, 0.2e-6), Link(1e-3, 0.2e-6))
-    assert buffer_seconds("allgather", BufferShape(120, 5000, 60), links) == pytest.approx(3e-3 + 2880 * 0.2e-6)
-    apart = BufferShape(121, 5000, 60)
+    assert buffer_seconds("allgather", BufferShape(91, 5000, 60), links) == pytest.approx(3e-3 + 2184 * 0.2e-6)
+    apart = BufferShape(92, 5000, 60)
     assert buffer_seconds("allgather", apart, links) == pytest.approx(
-        dense_seconds(121, 4, links) + sparse_seconds("allgather", apart, links)
+        dense_seconds(92, 4, links) + sparse_seconds("allgather", apart, links)
     )

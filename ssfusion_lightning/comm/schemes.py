@@ -21,7 +21,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ssfusion_lightning.comm.traffic import Traffic
-from ssfusion_lightning.commcost import COUNT_BYTES, POSITION_BYTES
+from ssfusion_lightning.commcost import (
+    BLOCK_ELEMENTS,
+    COUNT_BYTES,
+    POSITION_BYTES,
+    compact_positions,
+    gathered_position_bytes,
+    position_blocks,
+)
 from ssfusion_lightning.registry import Registry
 
 
@@ -149,12 +156,15 @@ def allgather_pairs(
     votes: Tensor | None = None,
     dense: Tensor | None = None,
 ) -> SparseSum:
-    """AGsparse: allgather every rank's (count, indices, values); the sum is every rank's pairs,
+    """AGsparse: allgather every rank's (count, positions, values); the sum is every rank's pairs,
     in rank order.
 
     Every message has the same length, so ranks first agree on the largest count, except where
     the counts are known in advance: ``equal_counts``, or ``max_count`` (a bound every rank's
     count respects, known from the plan), which saves that round at the price of padding.
+    Positions travel compactly where ``commcost.compact_positions`` says so for the agreed slot
+    count (at any density above 0.0015%): a count per block of 2**16 elements in the header, then
+    each position's 16-bit offset in its block, sorted by block; else as ``wire_index_dtype``.
     ``votes`` ride in the header, after the count: every rank receives every rank's header.
     ``dense`` (the buffer's dense part, in the values' dtype) rides after the values, and is
     replaced in place by the sum of every rank's, added in rank order in ``accumulation_dtype``:
@@ -171,23 +181,16 @@ def allgather_pairs(
         slots = max_count
     else:
         slots = max(exchange_counts(count, group, values.device, traffic))
-    index_dtype = wire_index_dtype(numel)
-    index_bytes = torch.tensor([], dtype=index_dtype).element_size()
-    pair_bytes = index_bytes + values.element_size()
-    # header (count, then this rank's vote if any), then positions, padded so the values start
-    # 8-byte aligned (any dtype can view them)
-    header_slots = 1 if votes is None else 2
-    position_slots = -(-(slots + header_slots) * index_bytes // 8) * 8 // index_bytes
-    header = torch.tensor([count], dtype=index_dtype, device=values.device)
+    layout = _PositionLayout(numel, slots, 1 if votes is None else 2)
+    header = [torch.tensor([count], dtype=torch.int64, device=values.device)]
     if votes is not None:
-        header = torch.cat([header, votes[me : me + 1].to(index_dtype)])
-    padding = indices.new_zeros(position_slots - header_slots - count, dtype=index_dtype)
-    positions = torch.cat([header, indices.to(index_dtype), padding])
-    padded_values = torch.cat([values, values.new_zeros(slots - count)] + ([] if dense is None else [dense.to(values.dtype)]))
-    message = torch.cat([positions.view(torch.uint8), padded_values.contiguous().view(torch.uint8)])
+        header.append(votes[me : me + 1].to(torch.int64))
+    positions, sent_values = layout.encode(torch.cat(header), indices, values)
+    padded_values = torch.cat([sent_values, values.new_zeros(slots - count)] + ([] if dense is None else [dense.to(values.dtype)]))
+    message = torch.cat([positions, padded_values.contiguous().view(torch.uint8)])
     gathered = [torch.empty_like(message) for _ in range(world)]
     dist.all_gather(gathered, message, group=group)
-    split = position_slots * index_bytes
+    split = layout.nbytes
     if dense is not None:
         dense_bytes = dense.numel() * values.element_size()
         total = torch.zeros(dense.numel(), dtype=accumulation_dtype(dense.dtype), device=dense.device)
@@ -202,20 +205,70 @@ def allgather_pairs(
         if rank == me:
             pieces.append((indices.to(torch.int64), values))
             continue
-        part_positions = part[:split].view(index_dtype)
-        n = int(part_positions[0])
-        received += n
-        pieces.append((part_positions[header_slots : header_slots + n].to(torch.int64), part[split:].view(values.dtype)[:n]))
+        n, part_positions = layout.decode(part[:split])
+        received += layout.payload(n, values.element_size())
+        pieces.append((part_positions, part[split:].view(values.dtype)[:n]))
     if votes is not None:
-        votes.copy_(torch.stack([part[:split].view(index_dtype)[1] for part in gathered]))
+        votes.copy_(torch.stack([layout.header(part)[1] for part in gathered]))
     padded = (world - 1) * (split + slots * values.element_size())
     traffic.add(
-        sent=(world - 1) * count * pair_bytes,
-        received=received * pair_bytes,
+        sent=(world - 1) * layout.payload(count, values.element_size()),
+        received=received,
         padded_sent=padded,
         padded_received=padded,
     )
     return SparseSum(numel, values.dtype, pieces)
+
+
+class _PositionLayout:
+    """The positions region of one allgather message: the header words (the count, the vote),
+    then the positions of up to ``slots`` pairs, compact or not (``commcost.compact_positions``),
+    padded so the values after it start 8-byte aligned (any dtype can view them)."""
+
+    def __init__(self, numel: int, slots: int, header_words: int) -> None:
+        self.numel, self.slots, self.header_words = numel, slots, header_words
+        self.index_bytes = index_bytes(numel)
+        self.compact = compact_positions(numel, slots, self.index_bytes)
+        if self.compact:  # header words and block counts as int32: no count exceeds a buffer's elements
+            self.blocks, self.word_dtype, self.position_dtype = position_blocks(numel), torch.int32, torch.int16
+        else:
+            self.blocks, self.word_dtype, self.position_dtype = 0, wire_index_dtype(numel), wire_index_dtype(numel)
+        self.positions_at = (header_words + self.blocks) * torch.tensor([], dtype=self.word_dtype).element_size()
+        self.position_bytes = torch.tensor([], dtype=self.position_dtype).element_size()
+        self.nbytes = -(-(self.positions_at + slots * self.position_bytes) // 8) * 8
+
+    def payload(self, count: int, value_bytes: int) -> int:
+        """Bytes of ``count`` pairs in this layout: values and positions, block counts included."""
+        return count * value_bytes + int(gathered_position_bytes(self.numel, count, self.slots, self.index_bytes))
+
+    def encode(self, header: Tensor, indices: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """(the region's bytes, the values in the order of the positions sent)."""
+        positions = indices.to(torch.int64)
+        if self.compact:
+            if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+                positions, order = torch.sort(positions)
+                values = values[order]
+            edges = torch.arange(self.blocks + 1, dtype=torch.int64, device=positions.device) * BLOCK_ELEMENTS
+            header = torch.cat([header, torch.diff(torch.searchsorted(positions, edges))])
+            positions = positions & (BLOCK_ELEMENTS - 1)  # stored as int16: the low 16 bits
+        words = header.to(self.word_dtype).view(torch.uint8)
+        stored = positions.to(self.position_dtype).view(torch.uint8)
+        padding = stored.new_zeros(self.nbytes - words.numel() - stored.numel())
+        return torch.cat([words, stored, padding]), values
+
+    def header(self, region: Tensor) -> Tensor:
+        return bytes_as(region[: self.header_words * torch.tensor([], dtype=self.word_dtype).element_size()], self.word_dtype)
+
+    def decode(self, region: Tensor) -> tuple[int, Tensor]:
+        """(the count, int64 positions) of a received region."""
+        n = int(self.header(region)[0])
+        stored = bytes_as(region[self.positions_at : self.positions_at + n * self.position_bytes], self.position_dtype)
+        if not self.compact:
+            return n, stored.to(torch.int64)
+        counts = bytes_as(region[: self.positions_at], self.word_dtype)[self.header_words :].to(torch.int64)
+        starts = torch.arange(self.blocks, dtype=torch.int64, device=region.device) * BLOCK_ELEMENTS
+        offsets = stored.to(torch.int64) & (BLOCK_ELEMENTS - 1)
+        return n, torch.repeat_interleave(starts, counts, output_size=n) + offsets
 
 
 def sparse_allreduce(
