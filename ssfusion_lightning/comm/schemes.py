@@ -250,7 +250,8 @@ class _PositionLayout:
                 values = values[order]
             edges = torch.arange(self.blocks + 1, dtype=torch.int64, device=positions.device) * BLOCK_ELEMENTS
             header = torch.cat([header, torch.diff(torch.searchsorted(positions, edges))])
-            positions = positions & (BLOCK_ELEMENTS - 1)  # stored as int16: the low 16 bits
+            # the offset in its block, shifted into int16's range so the cast is exact on any device
+            positions = (positions & (BLOCK_ELEMENTS - 1)) - BLOCK_ELEMENTS // 2
         words = header.to(self.word_dtype).view(torch.uint8)
         stored = positions.to(self.position_dtype).view(torch.uint8)
         padding = stored.new_zeros(self.nbytes - words.numel() - stored.numel())
@@ -267,7 +268,7 @@ class _PositionLayout:
             return n, stored.to(torch.int64)
         counts = bytes_as(region[: self.positions_at], self.word_dtype)[self.header_words :].to(torch.int64)
         starts = torch.arange(self.blocks, dtype=torch.int64, device=region.device) * BLOCK_ELEMENTS
-        offsets = stored.to(torch.int64) & (BLOCK_ELEMENTS - 1)
+        offsets = stored.to(torch.int64) + BLOCK_ELEMENTS // 2
         return n, torch.repeat_interleave(starts, counts, output_size=n) + offsets
 
 
