@@ -13,9 +13,9 @@ the nonzeros of the sum, measures how much the ranks' selections overlap (``expe
     dense part (every scheme)  allreduce: 2(P-1)/P * F v
     allreduce                  the sparse part scattered and all-reduced with the dense part, in
                                one all-reduce: 2(P-1)/P * (F + N) v
-    allgather                  allgather: (P-1) (k v + X), X the k positions: 4 B/16 + 2 k
-                               (a count per 2**16-element block, 16-bit offsets) where that is
-                               less than k x, else k x; a dense part with F v <= k v + X rides
+    allgather                  allgather: (P-1) (k v + X), X the k positions: 4 ceil(N/2^16)
+                               + 2k (a count per 2^16-element block, 16-bit offsets) where that
+                               is less than k x, else k x; a dense part with F v <= k v + X rides
                                in the same message, (P-1) (k v + X + F v), with no all-reduce
     zen                        all_to_all of counts and of (P-1)/P k (v+x) pairs, allgather of
                                counts and of (P-1)/P min(N/8 + K v, K (v+x)) (bitmap or COO pull)
@@ -167,8 +167,8 @@ def position_blocks(numel: float) -> int:
 def compact_positions(numel: float, slots: float, index_bytes: int = POSITION_BYTES) -> bool:
     """Whether an allgather message of ``slots`` pairs from a part of ``numel`` elements sends its
     positions as block counts and 16-bit offsets: where those take fewer bytes than ``slots``
-    positions of ``index_bytes`` each. On 2**16 elements or more per selected pair (under 0.0015%
-    density) the block counts cost more than the offsets save. From the plan's numbers alone, so
+    positions of ``index_bytes`` each (int32: where k > 2 ceil(N / 2^16), above about 0.003%
+    density; below it the block counts cost more than the offsets save). From the plan's numbers alone, so
     every rank decides alike."""
     return position_blocks(numel) * BLOCK_COUNT_BYTES + BLOCK_OFFSET_BYTES * slots < index_bytes * slots
 

@@ -163,7 +163,7 @@ def allgather_pairs(
     the counts are known in advance: ``equal_counts``, or ``max_count`` (a bound every rank's
     count respects, known from the plan), which saves that round at the price of padding.
     Positions travel compactly where ``commcost.compact_positions`` says so for the agreed slot
-    count (at any density above 0.0015%): a count per block of 2**16 elements in the header, then
+    count (above about 0.003% density): a count per block of 2**16 elements in the header, then
     each position's 16-bit offset in its block, sorted by block; else as ``wire_index_dtype``.
     ``votes`` ride in the header, after the count: every rank receives every rank's header.
     ``dense`` (the buffer's dense part, in the values' dtype) rides after the values, and is
@@ -233,8 +233,8 @@ class _PositionLayout:
             self.blocks, self.word_dtype, self.position_dtype = position_blocks(numel), torch.int32, torch.int16
         else:
             self.blocks, self.word_dtype, self.position_dtype = 0, wire_index_dtype(numel), wire_index_dtype(numel)
-        self.positions_at = (header_words + self.blocks) * torch.tensor([], dtype=self.word_dtype).element_size()
-        self.position_bytes = torch.tensor([], dtype=self.position_dtype).element_size()
+        self.positions_at = (header_words + self.blocks) * self.word_dtype.itemsize
+        self.position_bytes = self.position_dtype.itemsize
         self.nbytes = -(-(self.positions_at + slots * self.position_bytes) // 8) * 8
 
     def payload(self, count: int, value_bytes: int) -> int:
@@ -258,7 +258,8 @@ class _PositionLayout:
         return torch.cat([words, stored, padding]), values
 
     def header(self, region: Tensor) -> Tensor:
-        return bytes_as(region[: self.header_words * torch.tensor([], dtype=self.word_dtype).element_size()], self.word_dtype)
+        """The header words of a received region: its count, then its vote if any."""
+        return bytes_as(region[: self.header_words * self.word_dtype.itemsize], self.word_dtype)
 
     def decode(self, region: Tensor) -> tuple[int, Tensor]:
         """(the count, int64 positions) of a received region."""
