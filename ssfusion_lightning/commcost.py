@@ -41,7 +41,7 @@ the nonzeros of the sum, measures how much the ranks' selections overlap (``expe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 #: every scheme ``auto`` chooses among, in tie-break order (the simpler scheme wins a tie)
@@ -384,11 +384,9 @@ def node_step_collectives(
     counts = (per_node - 1) * COUNT_BYTES
     stripe = hierarchical_nonzeros(cross, shape, per_node, nodes, spread) / per_node
 
-    def gathered(count: float) -> float:  # allgathers over the whole part's positions
-        return (per_node - 1) * (count * acc + gathered_position_bytes(shape.sparse, count, index_bytes=shape.index_bytes))
-
-    collectives = [gathered(shape.k), counts, gathered(stripe)]
-    return collectives + ([counts, share * per_node * stripe * (shape.index_bytes + 1)] if oktopk else [])
+    summed = replace(shape, value_bytes=acc)  # allgathers over the whole part's positions
+    collectives = [(per_node - 1) * summed.gathered(), counts, (per_node - 1) * summed.gathered(stripe)]
+    return collectives + ([counts, (per_node - 1) * stripe * (shape.index_bytes + 1)] if oktopk else [])
 
 
 def choose_node_step(cross: str, shape: BufferShape, per_node: int, nodes: int) -> str:
