@@ -27,7 +27,7 @@ from experiments.common import REPO, RESULTS, pyplot, read_csv, save_figure, wri
 from experiments.e2e_analyze import ENGINE_SCHEMES
 
 FIELDS = ("variant", "options", "revision", "repeat", "world", "workload", "rate", "scheme", "step_ms", "ddp_step_ms", "x_ddp_step",
-          "kb_sent_step")
+          "kb_sent_step", "compress_ms", "x_ddp_cpu")
 
 
 def run_variant(
@@ -50,18 +50,22 @@ def run_variant(
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=checkout)
     summary = read_csv(scratch / f"{name}.csv")
     ddp = {(r["world"], r["workload"], r["rate"]): float(r["step_ms"]) for r in summary if r["scheme"] == "ddp"}
+    cpu = {(r["world"], r["workload"], r["rate"]): float(r["step_cpu_ms"]) for r in summary if r["scheme"] == "ddp" and r.get("step_cpu_ms")}
     # the final plan's buffer count: the auto cut's, from the costs this run measured
     buffers = {(r["world"], r["workload"], r["rate"], r["scheme"]): r["plan_buffers"] for r in read_csv(scratch / f"{name}_runs.csv")}
     rows = []
     for r in summary:
         if r["scheme"] not in schemes or not r["step_ms"]:
             continue
-        reference = ddp[(r["world"], r["workload"], r["rate"])]
+        key = (r["world"], r["workload"], r["rate"])
+        reference = ddp[key]
         step = float(r["step_ms"])
         rows.append(
             dict(variant=variant, options=options, revision=revision, repeat=repeat, world=r["world"], workload=r["workload"], rate=r["rate"],
                  scheme=r["scheme"], step_ms=f"{step:.1f}", ddp_step_ms=f"{reference:.1f}", x_ddp_step=f"{step / reference:.3f}",
                  kb_sent_step=f"{float(r['bytes_per_step']) / 1e3:.1f}" if r.get("bytes_per_step") else "",
+                 compress_ms=r.get("compress_ms", ""),
+                 x_ddp_cpu=f"{float(r['step_cpu_ms']) / cpu[key]:.3f}" if r.get("step_cpu_ms") and cpu.get(key) else "",
                  buffers=buffers.get((r["world"], r["workload"], r["rate"], r["scheme"]), ""))
         )
     return rows
@@ -101,6 +105,26 @@ def markdown(rows: list[dict], a: str, b: str) -> str:
         lines.append(
             f"| {world} | {workload} | {rate} | {scheme} | {_runs(by['A'], med_a)} | {_runs(by['B'], med_b)} | {med_b / med_a:.2f} |"
         )
+    cost = [r for r in rows if r.get("compress_ms") and r.get("x_ddp_cpu")]
+    if cost:  # CSVs written before these columns have none
+        lines += [
+            "",
+            "Compression (the engine's `compress_seconds` a step, ms) and the CPU time of a step over ddp's in the same "
+            "run, medians over the runs:",
+            "",
+            "| P | workload | link | scheme | A: compress ms | B: compress ms | B / A | A: CPU / ddp | B: CPU / ddp | B / A |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for key in sorted(ratios):
+            of = {v: [r for r in cost if (r["world"], r["workload"], r["rate"], r["scheme"]) == key and r["variant"] == v] for v in "AB"}
+            if not of["A"] or not of["B"]:
+                continue
+            ms = {v: statistics.median(float(r["compress_ms"]) for r in of[v]) for v in "AB"}
+            x_cpu = {v: statistics.median(float(r["x_ddp_cpu"]) for r in of[v]) for v in "AB"}
+            lines.append(
+                f"| {' | '.join(key)} | {ms['A']:.1f} | {ms['B']:.1f} | {ms['B'] / ms['A']:.2f} | "
+                f"{x_cpu['A']:.3f} | {x_cpu['B']:.3f} | {x_cpu['B'] / x_cpu['A']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

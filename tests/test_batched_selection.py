@@ -172,7 +172,7 @@ def test_failed_bound_falls_back_to_the_exact_top_k(path):
     expected_in_sample = k * batched.TOPK_SAMPLE / n
     rank = math.ceil(expected_in_sample + batched.TOPK_Z * math.sqrt(expected_in_sample) + 2)
     x = torch.rand(n)
-    x[torch.from_numpy(batched.weyl_positions(n, batched.TOPK_SAMPLE)[:rank])] = 10.0
+    x[torch.from_numpy(batched.weyl_positions(n, batched.TOPK_SAMPLE)[:rank].copy())] = 10.0
     filler = torch.rand(300)
     sparsifier = build_sparsifier("topk", density=0.01)
     (values, indices), _ = sparsifier.select_many([x, filler], ["x", "f"], [k, None])

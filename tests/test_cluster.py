@@ -107,6 +107,11 @@ LIGHTNING = textwrap.dedent("""
     trainer.fit(BoringModel())
     print(f"LIGHTNING_OK rank={trainer.global_rank} world={trainer.world_size} "
           f"step={trainer.global_step}", flush=True)
+    # an orderly teardown: a rank that exits while its peer's gloo threads still run can abort
+    # ("terminate called without an active exception", exit code 134)
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
 """)
 
 

@@ -12,8 +12,8 @@ whole buffer:
    small ones form one contiguous tail;
 2. per-tensor thresholds from one batch of samples: a row of sampled positions per tensor,
    rows of similar width padded into one matrix (pads point at a -inf sentinel), gathered at
-   once and ranked with one sort (or, for wide rows, one partition per distinct rank), each
-   row read at its own rank;
+   once and ranked with one sort (for wide rows: one partition at the deepest rank asked of any
+   row, then a sort of the few columns above it), each row read at its own rank;
 3. one compare of the flat magnitudes with the per-tensor thresholds (one call per large
    tensor, one call against per-element thresholds for the tail) and ONE compaction for all
    tensors; the per-tensor counts come from a ``searchsorted`` of the tensors' bounds in the
@@ -53,10 +53,11 @@ from ssfusion_lightning.sparsifiers.selection import (
     Candidates,
     ThresholdSearch,
     in_dtype,
+    lowest_ties_np,
     magnitude_dtype,
     search_threshold,
     topk_positions,
-    weyl_step,
+    weyl_positions,
 )
 
 if TYPE_CHECKING:
@@ -381,19 +382,6 @@ class FlatBatch:
 Kernel = Callable[[FlatBatch, Sequence[Tensor], Sequence[str], Sequence[int]], None]
 
 
-def lowest_ties_np(magnitudes: np.ndarray, chosen: np.ndarray, k: int) -> np.ndarray:
-    """``selection.lowest_ties`` on the numpy path: equal magnitudes at the cut go to the lowest positions."""
-    values = magnitudes[chosen]
-    cut = values.min()
-    if not np.isfinite(cut):
-        return chosen
-    above = chosen[values > cut]
-    ties = np.flatnonzero(magnitudes == cut)
-    if len(above) + len(ties) == k:
-        return chosen
-    return np.concatenate([above, ties[: k - len(above)]])
-
-
 def select_many(
     sparsifier: Sparsifier,
     tensors: Sequence[Tensor],
@@ -446,11 +434,6 @@ def group_rows(rows: Sequence[np.ndarray], ranks: Sequence[int], sentinel: int) 
 def class_order(lengths: Sequence[int]) -> list[int]:
     """The row order ``group_rows`` produces (by width class, stable within a class)."""
     return sorted(range(len(lengths)), key=lambda r: (max(0, lengths[r] - 1).bit_length(), r))
-
-
-def weyl_positions(n: int, size: int) -> np.ndarray:
-    """``selection.sample_positions(n, size, offset=0)`` on the host: (j * step) mod n."""
-    return (np.arange(size, dtype=np.int64) * weyl_step(n)) % n
 
 
 # --------------------------------------------------------------------------- exact top-k

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ssfusion_lightning.sparsifiers import batched
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, stable_hash
-from ssfusion_lightning.sparsifiers.selection import Candidates, kth_largest, sample_magnitudes, search_threshold
+from ssfusion_lightning.sparsifiers.selection import Candidates, kth_largests, sample_magnitudes, search_threshold
 
 #: z-score of the margin between the budget's sampled rank and the search floor's
 FLOOR_Z = 3.0
@@ -31,7 +31,7 @@ class DGCSparsifier(ThresholdSparsifier):
     3. Select ``|x| >= threshold``. If the count is outside [0.9k, 1.25k], adjust the threshold
        at most ``max_adjust`` times (``selection.search_threshold``: x0.5 down / x1.5 up until
        the band is bracketed, then interpolation inside the bracket). The one pass over the
-       tensor is made at a lower floor drawn from the same sample (``search_floor``), so every
+       tensor is made at a lower floor drawn from the same sample (``thresholds``), so every
        count the search makes above the floor, raising or lowering, is counted inside that set.
     4. Trim to at most k by exact top-k among the selected elements.
 
@@ -77,11 +77,14 @@ class DGCSparsifier(ThresholdSparsifier):
         """This step's sampled magnitudes of a tensor (the same positions on every path)."""
         return sample_magnitudes(flat, self.sample_size(flat.numel()), offset=self.sample_offset(key))
 
-    def search_floor(self, sample: Tensor, k: int, n: int) -> float:
-        """A threshold below the budget's, from the same sample, that selects more than the band's
-        top (1.25k) with high probability: the threshold search's bracket from below, so a first
-        count under the band costs no second pass (``selection.search_threshold``)."""
-        return kth_largest(sample, floor_rank(k, sample.numel(), n))
+    def thresholds(self, sample: Tensor, k: int, n: int) -> tuple[float, float]:
+        """The budget's threshold, and the search floor: a threshold below it, from the same
+        sample (one ranking for both), that selects more than the band's top (1.25k) with high
+        probability. The floor is the threshold search's bracket from below, so a first count
+        under the band costs no second pass (``selection.search_threshold``)."""
+        size = sample.numel()
+        threshold, floor = kth_largests(sample, [math.ceil(k * size / n), floor_rank(k, size, n)])
+        return threshold, floor
 
     def band(self, k: int) -> tuple[float, float, float]:
         return 0.9 * k, 1.25 * k, k
@@ -93,9 +96,7 @@ class DGCSparsifier(ThresholdSparsifier):
             indices = torch.arange(flat.numel(), device=flat.device)
             return flat.index_select(0, indices), indices
         candidates = Candidates(flat)
-        sample = self.sample(flat, key)
-        threshold = kth_largest(sample, math.ceil(k * sample.numel() / flat.numel()))
-        floor = self.search_floor(sample, k, flat.numel())
+        threshold, floor = self.thresholds(self.sample(flat, key), k, flat.numel())
         if 0 < floor < threshold:
             candidates.prepare(floor)  # one pass answers the counts of the whole search
         low, high, cap = self.band(k)
@@ -119,7 +120,7 @@ class DGCSparsifier(ThresholdSparsifier):
             index = (base + offsets[:, None] % numels) % numels + batch.layout.starts[members][:, None]
             index[pad] = batch.sentinel
             rows.append((index, ranks))
-        # every row ranked once for both: the threshold and the search floor (``search_floor``)
+        # every row ranked once for both: the threshold and the search floor (``thresholds``)
         both = np.empty((len(ks), 2))
         both[list(plan.row_of)] = batch.kth_largest(rows)
         batched.settle(self, batch, tensors, ks, both[:, 0].tolist(), self.max_adjust, floors=both[:, 1].tolist())
