@@ -253,3 +253,39 @@ def test_dgc_searches_inside_the_batch_without_another_pass(monkeypatch):
         for tensor, g, e in zip(tensors, got, expected):
             assert_same_selection(tensor, g, e)
     assert searched > 0  # the loop did prepare floors: the batch saved those passes
+
+
+@PROPERTY
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.integers(1, 12),
+    width=st.sampled_from([1024, 2048, 4096]),
+    real=st.floats(0.2, 1.0),
+    ranks=st.integers(1, 3),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    special=st.sampled_from(["none", "nan", "inf", "ties", "zeros"]),
+    deep=st.booleans(),
+)
+def test_ranked_rows_reads_every_row_at_its_ranks(seed, rows, width, real, ranks, dtype, special, deep):
+    """The group-maxima bound never changes a rank: every row read at its ranks equals the row
+    sorted, with -inf pads past each row's length, ties, zeros, +inf and NaN (NaN ranks first).
+    The deepest rank is often a group maximum itself, so the bound must keep entries equal to it."""
+    rng = np.random.default_rng(seed)
+    matrix = np.abs(rng.standard_normal((rows, width))).astype(dtype)
+    if special == "ties":
+        matrix = np.round(matrix * 4) / 4
+    elif special == "zeros":
+        matrix[:, rng.random(width) < 0.9] = 0
+    elif special in ("nan", "inf"):
+        matrix[rng.integers(rows), rng.integers(width)] = np.nan if special == "nan" else np.inf
+    # rows at least W / 8 long have an entry in every group (a group is 8 entries W / 8 apart)
+    lengths = np.maximum(1 if deep else width // 8, (rng.random(rows) * real * width).astype(int))
+    lengths[0] = width  # one full row
+    for r, n in enumerate(lengths):
+        matrix[r, n:] = -np.inf
+    # shallow ranks take the group-maxima bound, deep ones (beyond half the groups) the partition
+    deepest = width // 4 if deep else width // 2 ** (batched.RANK_FOLDS + 1)
+    cols = np.stack([rng.integers(1, max(1, min(n, deepest)) + 1, ranks) for n in lengths])
+    want = np.sort(matrix, axis=1)[np.arange(rows)[:, None], width - cols].astype(np.float64)
+    got = batched.ranked_rows(matrix.copy(), cols)
+    np.testing.assert_array_equal(got, want)
