@@ -36,7 +36,7 @@ def _one_thread():
 @pytest.fixture(params=["numpy", "torch"])
 def path(request, monkeypatch):
     """The CPU fast path (numpy) and the path other devices take (torch ops), both on CPU."""
-    monkeypatch.setattr(batched, "NUMPY_ON_CPU", request.param == "numpy")
+    monkeypatch.setattr(selection, "NUMPY_ON_CPU", request.param == "numpy")
     return request.param
 
 
@@ -148,7 +148,7 @@ CASES = [(n, o, p) for n, o in VARIANTS for p in (("numpy", "torch") if n in BAT
 @PROPERTY
 @given(batch=batches(), density=st.sampled_from([0.001, 0.01, 0.05, 0.3]))
 def test_select_many_equals_the_loop(name, options, path, monkeypatch, batch, density):
-    monkeypatch.setattr(batched, "NUMPY_ON_CPU", path == "numpy")
+    monkeypatch.setattr(selection, "NUMPY_ON_CPU", path == "numpy")
     specs, keys, ks, dtype = batch
     check_equal(name, options, density, specs, keys, ks, dtype)
 
@@ -236,7 +236,7 @@ def test_dgc_searches_inside_the_batch_without_another_pass(monkeypatch):
     passes = []
     original = selection.indices_at_least
     monkeypatch.setattr(selection, "indices_at_least", lambda flat, t: passes.append(flat.numel()) or original(flat, t))
-    monkeypatch.setattr(batched, "NUMPY_ON_CPU", True)
+    monkeypatch.setattr(selection, "NUMPY_ON_CPU", True)
     rng = np.random.default_rng(5)
     tensors = [torch.from_numpy(rng.standard_normal(int(5000 * 1.5**i)).astype(np.float32)) for i in range(10)]
     keys = [f"w{i}" for i in range(len(tensors))]

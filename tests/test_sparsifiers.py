@@ -188,6 +188,35 @@ def test_selection_contract(name, options, shape, dtype, density, use_k, seed, k
     check_contract(sparsifier, x, k)  # a second step (stateful sparsifiers take another path)
 
 
+@pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}-{o.get('distribution', '')}" for n, o in VARIANTS])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    numel=st.sampled_from([1, 300, 4095, 4097, 20_000, (1 << 16) + 5, 150_001]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.float64]),
+    density=st.sampled_from([0.001, 0.01, 0.05, 0.3]),
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(["normal", "ties", "sparse"]),
+)
+def test_host_steps_select_what_the_device_steps_select(monkeypatch, name, options, numel, dtype, density, seed, kind):
+    """The numpy steps a CPU selection takes past its full pass (sample, ranking, counts inside
+    the candidates, trim) choose exactly the elements of the torch ops other devices run, on
+    two consecutive steps (stateful sparsifiers take another path on the second)."""
+    x = make_input((numel,), dtype, seed, kind)
+    chosen = {}
+    for host in (True, False):
+        monkeypatch.setattr(selection, "NUMPY_ON_CPU", host)
+        sparsifier = build_sparsifier(name, density=density, **options)
+        steps = []
+        for _ in range(2):
+            values, indices = sparsifier.select(x, key="w")
+            order = torch.argsort(indices)
+            steps.append((indices[order], values[order]))
+            sparsifier.advance()
+        chosen[host] = steps
+    for (i_host, v_host), (i_device, v_device) in zip(chosen[True], chosen[False]):
+        assert torch.equal(i_host, i_device) and torch.equal(v_host, v_device)
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 @pytest.mark.parametrize("device", DEVICES)
 def test_large_input_on_every_dtype_and_device(name, device):

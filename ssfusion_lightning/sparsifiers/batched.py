@@ -55,6 +55,7 @@ from ssfusion_lightning.sparsifiers.selection import (
     in_dtype,
     lowest_ties_np,
     magnitude_dtype,
+    on_host,
     search_threshold,
     topk_positions,
     weyl_positions,
@@ -80,8 +81,6 @@ TOPK_SAMPLE = 1024
 PARTITION_MIN = 1024
 #: ``ranked_rows`` folds each row this many times: the maxima of groups of 2 ** RANK_FOLDS
 RANK_FOLDS = 3
-#: run the CPU steps in numpy (False: the torch ops other devices use, e.g. to test them on CPU)
-NUMPY_ON_CPU = True
 #: z-score of the top-k bounds' safety margin (a failed bound costs one exact top-k of that
 #: segment, so a smaller margin than the per-tensor pre-filter's pays off)
 TOPK_Z = 3.0
@@ -202,7 +201,7 @@ class FlatBatch:
     def __init__(self, tensors: Sequence[Tensor], numels: tuple[int, ...]) -> None:
         self.dtype = tensors[0].dtype
         self.device = tensors[0].device
-        self.cpu = self.device.type == "cpu" and NUMPY_ON_CPU  # the numpy path
+        self.cpu = on_host(tensors[0])  # the numpy path
         self.layout = lay = layout_of(numels)
         n = lay.total
         self.signed = _scratch("signed", self.dtype, self.device, n)[:n]

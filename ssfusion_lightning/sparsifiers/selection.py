@@ -44,6 +44,9 @@ from torch import Tensor
 #: 1 and 2 threads, 2^20 is as fast as 2^21 and 2^23 (the chunk stays in cache), while 2^23 kept
 #: 48 MiB per thread.
 CHUNK = 1 << 20
+#: run the CPU steps past the full pass in numpy (False: the torch ops other devices take, e.g. to
+#: test them on CPU)
+NUMPY_ON_CPU = True
 #: below this size exact top-k runs torch.topk directly (the pre-filter cannot pay off)
 PREFILTER_MIN_NUMEL = 1 << 16
 #: sample size of the top-k pre-filter
@@ -83,17 +86,23 @@ def magnitude_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def on_host(tensor: Tensor) -> bool:
+    """Whether a selection step on ``tensor`` runs in numpy: a numpy call costs a third of a torch
+    op's dispatch, and at the sizes a selection works on (a sample, its candidates) dispatch is
+    the cost. Other devices run the equivalent torch ops."""
+    return tensor.device.type == "cpu" and NUMPY_ON_CPU
+
+
 def host_view(tensor: Tensor) -> np.ndarray | None:
-    """A zero-copy numpy view of a CPU tensor in a dtype numpy has; None elsewhere (CUDA, bfloat16).
-    The CPU paths below run in numpy on it: a numpy call costs a third of a torch op's dispatch,
-    and at the sizes a selection works on (a sample, its candidates) dispatch is the cost."""
-    if tensor.device.type != "cpu" or tensor.dtype not in (torch.float32, torch.float64, torch.float16):
+    """A zero-copy numpy view of a tensor ``on_host`` in a dtype numpy has; None otherwise
+    (other devices, bfloat16)."""
+    if not on_host(tensor) or tensor.dtype not in (torch.float32, torch.float64, torch.float16):
         return None
     return tensor.detach().numpy()
 
 
 def magnitudes_at(flat: Tensor, positions: np.ndarray) -> np.ndarray:
-    """|x| at ``positions`` of a CPU tensor, in ``magnitude_dtype`` (exact for every input dtype)."""
+    """|x| at ``positions`` of a tensor ``on_host``, in ``magnitude_dtype`` (exact for every input dtype)."""
     values = host_view(flat)
     if values is None:
         picked = flat.index_select(0, torch.from_numpy(positions)).abs()
@@ -218,7 +227,7 @@ def host_sample_positions(n: int, size: int, offset: int = 0) -> np.ndarray:
 def sample_magnitudes(flat: Tensor, size: int, offset: int = 0) -> Tensor:
     """|x| at ``size`` sampled positions, in float32 (float64 input stays float64)."""
     n = flat.numel()
-    if flat.device.type == "cpu":
+    if on_host(flat):
         positions = None if size >= n else host_sample_positions(n, size, offset)
         return torch.from_numpy(magnitudes_at(flat, np.arange(n) if positions is None else positions))
     sample = flat if size >= n else flat.index_select(0, sample_positions(n, size, flat.device, offset))
@@ -296,7 +305,7 @@ def trim_to_k(flat: Tensor, candidates: Tensor, k: int) -> Tensor:
     """The k candidates of largest magnitude (all of them when there are at most k)."""
     if candidates.numel() <= k:
         return candidates
-    if flat.device.type == "cpu":  # in the candidates' order: sorted ones stay sorted, as the wire prefers
+    if on_host(flat):  # in the candidates' order: sorted ones stay sorted, as the wire prefers
         positions = candidates.numpy()
         return torch.from_numpy(positions[top_k_sorted(magnitudes_at(flat, positions), k)])
     magnitudes = flat.index_select(0, candidates).abs()
@@ -333,7 +342,7 @@ class Candidates:
     def _keep(self, threshold: float, indices: Tensor) -> None:
         self.threshold = threshold
         self.indices = indices
-        if self.flat.device.type == "cpu":
+        if on_host(self.flat):
             self.magnitudes = magnitudes_at(self.flat, indices.numpy())
         else:
             self.magnitudes = self.flat.index_select(0, indices).abs()
