@@ -27,7 +27,7 @@ from experiments.common import REPO, RESULTS, pyplot, read_csv, save_figure, wri
 from experiments.e2e_analyze import ENGINE_SCHEMES
 
 FIELDS = ("variant", "options", "revision", "repeat", "world", "workload", "rate", "scheme", "step_ms", "ddp_step_ms", "x_ddp_step",
-          "kb_sent_step", "compress_ms", "x_ddp_cpu")
+          "kb_sent_step", "compress_ms", "x_ddp_cpu", "buffers")
 
 
 def run_variant(
@@ -110,10 +110,10 @@ def markdown(rows: list[dict], a: str, b: str) -> str:
         lines += [
             "",
             "Compression (the engine's `compress_seconds` a step, ms) and the CPU time of a step over ddp's in the same "
-            "run, medians over the runs:",
+            "run, medians over the runs; the plan's buffers in each run:",
             "",
-            "| P | workload | link | scheme | A: compress ms | B: compress ms | B / A | A: CPU / ddp | B: CPU / ddp | B / A |",
-            "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+            "| P | workload | link | scheme | A: compress ms | B: compress ms | B / A | A: CPU / ddp | B: CPU / ddp | B / A | buffers A; B |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
         ]
         for key in sorted(ratios):
             of = {v: [r for r in cost if (r["world"], r["workload"], r["rate"], r["scheme"]) == key and r["variant"] == v] for v in "AB"}
@@ -121,9 +121,10 @@ def markdown(rows: list[dict], a: str, b: str) -> str:
                 continue
             ms = {v: statistics.median(float(r["compress_ms"]) for r in of[v]) for v in "AB"}
             x_cpu = {v: statistics.median(float(r["x_ddp_cpu"]) for r in of[v]) for v in "AB"}
+            buffers = {v: ", ".join(str(r.get("buffers") or "?") for r in of[v]) for v in "AB"}
             lines.append(
                 f"| {' | '.join(key)} | {ms['A']:.1f} | {ms['B']:.1f} | {ms['B'] / ms['A']:.2f} | "
-                f"{x_cpu['A']:.3f} | {x_cpu['B']:.3f} | {x_cpu['B'] / x_cpu['A']:.2f} |"
+                f"{x_cpu['A']:.3f} | {x_cpu['B']:.3f} | {x_cpu['B'] / x_cpu['A']:.2f} | {buffers['A']}; {buffers['B']} |"
             )
     return "\n".join(lines) + "\n"
 
