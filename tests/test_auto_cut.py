@@ -117,6 +117,31 @@ def test_serial_cpu_merges_buffers_and_never_loses_to_one_buffer():
     assert modelled_finish(serial_cut, serial, *SPARSE) <= modelled_finish([params], serial, *SPARSE)
 
 
+def test_each_buffer_adds_the_ranks_spread_on_a_busy_core():
+    """Two tensors, 10 ms of backward each, 1 ms of overhead a buffer, no latency, and a rate at
+    which each tensor's pairs take c = 1.5 ms. One buffer ends at 20 + 1 + 2c = 24 ms; two at
+    max(20 + 1, 10 + 1 + c) + 1 + c = 23.5 ms, the first buffer delaying the rest of the backward
+    by its 1 ms on a busy core (s = 1). The ranks' spread adds 1 ms a buffer: 25 against 25.5 ms,
+    so the busy core's cut is one buffer, where the finish alone would pick two."""
+    n = 100_000
+    params = specs([n, n])
+    unit = dataclasses.replace(costs_for(params, 0.0, alpha=0.0, beta=1.0, per_element=0.0), compress_fixed=0.0)
+    per_tensor = unit.allgather_buffer_seconds(0, n, SPARSE[1](params[0][1]), 4)
+    assert unit.allgather_buffer_seconds(0, 2 * n, 2 * SPARSE[1](params[0][1]), 4) == pytest.approx(2 * per_tensor)
+    busy = dataclasses.replace(
+        costs_for(params, 10e-3, alpha=0.0, beta=1.5e-3 / per_tensor, per_element=0.0, overhead=1e-3),
+        compress_fixed=0.0, serial_cpu=1.0,
+    )
+    one, two = [params], [params[:1], params[1:]]
+    assert modelled_finish(one, busy, *SPARSE) == pytest.approx(24e-3 + 1e-3)
+    assert modelled_finish(two, busy, *SPARSE) == pytest.approx(23.5e-3 + 2e-3)
+    assert cut_by_cost(params, busy, *SPARSE) == one
+    # a free core (s = 0): no delay and no spread, one buffer 24 ms, two max(20, 12.5) + 2.5 = 22.5 ms
+    free = dataclasses.replace(busy, serial_cpu=0.0)
+    assert modelled_finish(two, free, *SPARSE) == pytest.approx(22.5e-3)
+    assert cut_by_cost(params, free, *SPARSE) == two
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 1 << 16), min_size=1, max_size=12),

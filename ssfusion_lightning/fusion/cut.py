@@ -17,10 +17,14 @@ the first b tensors,
 where o is the buffer overhead, m(a) the buffers of the prefix's best cut and s the measured share
 of other threads' CPU work that delays the backward (``CostProfile.serial_cpu``): on a rank with
 one core (s = 1) every earlier buffer's launch and collective push the rest of the backward back.
-With s = 0 the finish only grows with F(a), the prefix's best cut is part of the best cut of the
-whole, and the program is exact for this model; with s > 0 it keeps the prefix's best cut, which
-is a heuristic (a prefix with fewer buffers may finish later and still serve the whole better).
-Ties go to fewer buffers. The costs are the ones every
+The cut minimises F(n) + s * o * m(n). The second term is the ranks' spread: each buffer's work
+lands on each rank's core at a different point of its backward, so the ranks' backward passes end
+further apart the more buffers there are, and the round ends when the later one's last collective
+does (gpt2_10m at P = 2, one core a rank: 1 ms more apart and 1.5 ms more backward a buffer, from
+3 to 32 buffers, results/timeline_spread.md; o was 1.2-1.5 ms). With s = 0 both terms vanish, the
+prefix's best cut is part of the best cut of the whole, and the program is exact for this model;
+with s > 0 it keeps the prefix's best cut by F + s * o * m, which is a heuristic (a prefix with
+fewer buffers may finish later and still serve the whole better). Ties go to fewer buffers. The costs are the ones every
 rank agreed on, so every rank computes the same cut.
 
 Without costs yet (the profiling rounds), and for a dense sparsifier, "auto" is DDP's layout: a
@@ -129,7 +133,8 @@ def cut_by_cost(
         )
 
     # finish[b], buffers[b], start[b]: the best cut of the first b tensors, its buffer count and
-    # where its last buffer starts
+    # where its last buffer starts; the best is the one whose finish plus its buffers' spread is least
+    spread = costs.serial_cpu * costs.buffer_overhead
     finish, buffers, start = [0.0] + [float("inf")] * n, [0] * (n + 1), [0] * (n + 1)
     for b in range(1, n + 1):
         dtype = params[b - 1][1].dtype
@@ -138,10 +143,10 @@ def cut_by_cost(
                 break
             if a == 0 and first_cap_bytes is not None and nbytes[b] > first_cap_bytes and b > 1:
                 continue
-            delay = costs.serial_cpu * costs.buffer_overhead * buffers[a]
-            candidate = (max(ready[b] + delay, finish[a]) + comm(a, b), buffers[a] + 1)
-            if candidate < (finish[b], buffers[b]):
-                finish[b], buffers[b], start[b] = candidate[0], candidate[1], a
+            count = buffers[a] + 1
+            candidate = max(ready[b] + spread * buffers[a], finish[a]) + comm(a, b)
+            if (candidate + spread * count, count) < (finish[b] + spread * buffers[b], buffers[b]):
+                finish[b], buffers[b], start[b] = candidate, count, a
     groups: list[list[Item]] = []
     b = n
     while b > 0:
@@ -151,7 +156,8 @@ def cut_by_cost(
 
 
 def modelled_finish(groups: Sequence[Sequence[Item]], costs: CostProfile, sparse_of, k_of) -> float:
-    """The finish of the last buffer's communication under the same model (for tests and reports)."""
+    """The end of the round under the same model (for tests and reports): the finish of the last
+    buffer's communication, plus the ranks' spread of ``serial_cpu * buffer_overhead`` a buffer."""
     clock = link_free = 0.0
     for count, group in enumerate(groups):
         dense = sparse = pairs = 0
@@ -164,4 +170,4 @@ def modelled_finish(groups: Sequence[Sequence[Item]], costs: CostProfile, sparse
         size = group[-1][1].nbytes // max(1, group[-1][1].numel)
         comm = costs.buffer_overhead + costs.allgather_buffer_seconds(dense, sparse, pairs, size)
         link_free = max(clock + costs.serial_cpu * costs.buffer_overhead * count, link_free) + comm
-    return link_free
+    return link_free + costs.serial_cpu * costs.buffer_overhead * len(groups)
