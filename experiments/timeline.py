@@ -69,20 +69,28 @@ def _rank_main(rank: int, world: int, port: int, runs: list[dict[str, Any]], out
 
 def record_run(run: dict[str, Any], world: int) -> dict[str, Any]:
     """One Lightning fit; this rank's events of engine step ``run["step"]`` and its plan."""
+    strategy, plan = fit_with_timeline(run["workload"], SCHEMES[run["scheme"]], run["step"] + 2, world)
+    events = [asdict(e) for e in strategy.timeline.events(step=run["step"])]
+    return {"plan": plan, "events": events}
+
+
+def fit_with_timeline(workload: str, options: dict[str, Any], steps: int, world: int) -> tuple[Any, dict[str, Any]]:
+    """One Lightning fit of e2e_worker's ``workload`` with ``SSFusionStrategy(timeline=True, **options)``
+    for ``steps`` steps: the strategy (its timeline holds the events) and the final plan's summary."""
     import lightning as L
 
     from experiments.e2e_worker import build_workload, make_strategy, plan_summary
 
     L.seed_everything(0, verbose=False)
-    spec, _, task, datamodule = build_workload(run["workload"], quick=False, seed=0)
-    strategy = make_strategy("ssfusion", {**SCHEMES[run["scheme"]], "timeline": True})
+    spec, _, task, datamodule = build_workload(workload, quick=False, seed=0)
+    strategy = make_strategy("ssfusion", {**options, "timeline": True})
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, num_nodes=world, strategy=strategy, max_steps=run["step"] + 2,
+        accelerator="cpu", devices=1, num_nodes=world, strategy=strategy, max_steps=steps,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0 if spec["kind"] == "lm" else None,
     )
-    plan: dict[str, int] = {}
+    plan: dict[str, Any] = {}
 
     class KeepPlan(L.Callback):  # the engine is gone after fit
         def on_train_end(self, trainer, pl_module) -> None:
@@ -90,8 +98,7 @@ def record_run(run: dict[str, Any], world: int) -> dict[str, Any]:
 
     trainer.callbacks.append(KeepPlan())
     trainer.fit(task, datamodule=datamodule)
-    events = [asdict(e) for e in strategy.timeline.events(step=run["step"])]
-    return {"plan": plan, "events": events}
+    return strategy, plan
 
 
 def run_ranks(runs: list[dict[str, Any]], world: int, timeout: float) -> list[dict[str, Any]]:

@@ -35,30 +35,13 @@ def worker(workload: str, cap: str, steps: int, out: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
-    import lightning as L
     import torch.distributed as dist
 
-    from experiments.e2e_worker import build_workload, make_strategy, plan_summary
+    from experiments.timeline import fit_with_timeline
 
     dist.init_process_group("gloo")
-    L.seed_everything(0, verbose=False)
-    spec, _, task, datamodule = build_workload(workload, quick=False, seed=0)
-    options: dict[str, Any] = {"timeline": True} if cap == "auto" else {"timeline": True, "buffer_mb": float(cap)}
-    strategy = make_strategy("ssfusion", options)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, num_nodes=dist.get_world_size(), strategy=strategy, max_steps=steps,
-        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        gradient_clip_val=1.0 if spec["kind"] == "lm" else None,
-    )
-    plan: dict[str, Any] = {}
-
-    class KeepPlan(L.Callback):  # the engine is gone after fit
-        def on_train_end(self, trainer, pl_module) -> None:
-            plan.update(plan_summary(trainer.strategy.engine))
-
-    trainer.callbacks.append(KeepPlan())
-    trainer.fit(task, datamodule=datamodule)
+    options: dict[str, Any] = {} if cap == "auto" else {"buffer_mb": float(cap)}
+    strategy, plan = fit_with_timeline(workload, options, steps, dist.get_world_size())
     events = [asdict(e) for e in strategy.timeline.events()]
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"plan_buffers": plan.get("plan_buffers"), "events": events}))
     dist.destroy_process_group()

@@ -654,3 +654,29 @@ def test_layout_check_predicts_2x2_from_the_flat_run_of_the_same_p():
     # the run's choices cost like this when given (a share of the plan's equal buffers each)
     half = [simulate.layout_comm_seconds(s, sparse, layout) for s in ("allgather", "hierarchical:allgather")]
     assert simulate.layout_comm_seconds("auto", sparse, layout, choices[("2x2", "toy", "auto")]) == pytest.approx(sum(half) / 2)
+
+
+# --------------------------------------------------------------------------- timeline_spread.py
+def test_timeline_spread_measures_the_ranks_drift_from_their_events():
+    from experiments import timeline_spread
+
+    def rank(steps):  # (backward begin, backward end, last collective end) in ms, per step
+        events = []
+        for step, (begin, end, comm) in enumerate(steps):
+            ms = lambda t: int(t * 1e6)  # noqa: E731
+            events += [
+                {"name": "backward.begin", "step": step, "start_ns": ms(begin), "end_ns": ms(begin)},
+                {"name": "backward.end", "step": step, "start_ns": ms(end), "end_ns": ms(end)},
+                {"name": "comm", "step": step, "start_ns": ms(end - 5), "end_ns": ms(comm)},
+            ]
+        return {"plan_buffers": 4, "events": events}
+
+    # step 0 is skipped; steps 1-3: rank 1 ends 10, 20 and 30 ms after rank 0
+    first = rank([(0, 999, 999), (100, 200, 203), (300, 400, 401), (500, 600, 602)])
+    second = rank([(0, 1, 1), (100, 210, 212), (300, 420, 421), (500, 630, 640)])
+    row = timeline_spread.summarise([first, second], skip=1)
+    assert row["buffers"] == 4 and row["steps"] == 3
+    assert row["backward_ms"] == [100.0, 120.0]
+    assert row["end_gap_ms"] == [20.0, 30.0]  # 10, 20 and 30 ms: median 20, 75th percentile 30
+    # a rank's last collective after its own backward end, the larger rank's a step: 3, 1 and 10 ms
+    assert row["tail_ms"] == [3.0, 10.0]
