@@ -24,8 +24,8 @@ does (gpt2_10m at P = 2, one core a rank: 1 ms more apart and 1.5 ms more backwa
 3 to 32 buffers, results/timeline_spread.md; o was 1.2-1.5 ms). With s = 0 both terms vanish, the
 prefix's best cut is part of the best cut of the whole, and the program is exact for this model;
 with s > 0 it keeps the prefix's best cut by F + s * o * m, which is a heuristic (a prefix with
-fewer buffers may finish later and still serve the whole better). Ties go to fewer buffers. The costs are the ones every
-rank agreed on, so every rank computes the same cut.
+fewer buffers may finish later and still serve the whole better). Ties go to fewer buffers. The
+costs are the ones every rank agreed on, so every rank computes the same cut.
 
 Without costs yet (the profiling rounds), and for a dense sparsifier, "auto" is DDP's layout: a
 1 MiB first buffer, then 25 MiB ones, so the dense engine sums exactly as DDP does.

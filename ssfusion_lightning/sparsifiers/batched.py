@@ -12,8 +12,8 @@ whole buffer:
    small ones form one contiguous tail;
 2. per-tensor thresholds from one batch of samples: a row of sampled positions per tensor,
    rows of similar width padded into one matrix (pads point at a -inf sentinel), gathered at
-   once and ranked with one sort (for wide rows: one partition at the deepest rank asked of any
-   row, then a sort of the few columns above it), each row read at its own rank;
+   once and ranked with one sort (wide rows: ``ranked_rows``, a bound from the rows' group maxima
+   and a sort of the few entries above it), each row read at its own rank;
 3. one compare of the flat magnitudes with the per-tensor thresholds (one call per large
    tensor, one call against per-element thresholds for the tail) and ONE compaction for all
    tensors; the per-tensor counts come from a ``searchsorted`` of the tensors' bounds in the
