@@ -101,13 +101,14 @@ def host_view(tensor: Tensor) -> np.ndarray | None:
     return tensor.detach().numpy()
 
 
-def magnitudes_at(flat: Tensor, positions: np.ndarray) -> np.ndarray:
-    """|x| at ``positions`` of a tensor ``on_host``, in ``magnitude_dtype`` (exact for every input dtype)."""
+def magnitudes_at(flat: Tensor, positions: np.ndarray | None) -> np.ndarray:
+    """|x| at ``positions`` (None: every element) of a tensor ``on_host``, in ``magnitude_dtype``
+    (exact for every input dtype)."""
     values = host_view(flat)
     if values is None:
-        picked = flat.index_select(0, torch.from_numpy(positions)).abs()
+        picked = (flat if positions is None else flat.index_select(0, torch.from_numpy(positions))).abs()
         return picked.to(magnitude_dtype(flat.dtype)).numpy()
-    magnitudes = np.abs(values.take(positions))
+    magnitudes = np.abs(values if positions is None else values.take(positions))
     return magnitudes if magnitudes.dtype != np.float16 else magnitudes.astype(np.float32)
 
 
@@ -228,8 +229,7 @@ def sample_magnitudes(flat: Tensor, size: int, offset: int = 0) -> Tensor:
     """|x| at ``size`` sampled positions, in float32 (float64 input stays float64)."""
     n = flat.numel()
     if on_host(flat):
-        positions = None if size >= n else host_sample_positions(n, size, offset)
-        return torch.from_numpy(magnitudes_at(flat, np.arange(n) if positions is None else positions))
+        return torch.from_numpy(magnitudes_at(flat, None if size >= n else host_sample_positions(n, size, offset)))
     sample = flat if size >= n else flat.index_select(0, sample_positions(n, size, flat.device, offset))
     return sample.abs().to(magnitude_dtype(flat.dtype))
 
