@@ -9,23 +9,25 @@ the previous buffer, and takes the alpha-beta time of the allgather collectives 
 all-gather of k (value, position) pairs, with a small dense part riding in its message and a larger
 one all-reduced first: ``CostProfile.allgather_buffer_seconds``), plus the measured CPU overhead of one buffer (its launch
 and its collective's work on a channel thread: on a rank with one core, 40 buffers of resnet18
-made the backward 2.7x longer, experiments/results/timeline.md). With F(b) the earliest finish of
-the first b tensors,
+made the backward 2.7x longer, experiments/results/timeline.md). With F(b, m) the earliest finish
+of the first b tensors in m buffers,
 
-    F(b) = min over a < b of  max(R_b + s * o * m(a), F(a)) + comm(a, b)
+    F(b, m) = min over a < b of  max(R_b + s * o * (m - 1), F(a, m - 1)) + comm(a, b)
 
-where o is the buffer overhead, m(a) the buffers of the prefix's best cut and s the measured share
-of other threads' CPU work that delays the backward (``CostProfile.serial_cpu``): on a rank with
+where o is the buffer overhead and s the measured share of other threads' CPU work that delays
+the backward (``CostProfile.serial_cpu``): on a rank with
 one core (s = 1) every earlier buffer's launch and collective push the rest of the backward back.
-The cut minimises F(n) + s * o * m(n). The second term is the ranks' spread: each buffer's work
+The cut minimises F(n, m) + s * o * m over m. The second term is the ranks' spread: each buffer's work
 lands on each rank's core at a different point of its backward, so the ranks' backward passes end
 further apart the more buffers there are, and the round ends when the later one's last collective
 does (gpt2_10m at P = 2, one core a rank: 1 ms more apart and 1.5 ms more backward a buffer, from
-3 to 32 buffers, results/timeline_spread.md; o was 1.2-1.5 ms). With s = 0 both terms vanish, the
-prefix's best cut is part of the best cut of the whole, and the program is exact for this model;
-with s > 0 it keeps the prefix's best cut by F + s * o * m, which is a heuristic (a prefix with
-fewer buffers may finish later and still serve the whole better). Ties go to fewer buffers. The
-costs are the ones every rank agreed on, so every rank computes the same cut.
+3 to 32 buffers, results/timeline_spread.md; o was 1.2-1.5 ms). Both terms grow with each buffer,
+so a prefix's cut that finishes no earlier and has no fewer buffers than another is never part of
+the best: the program keeps, for every prefix, the cuts that no other beats on both (a Pareto front
+of finish and buffer count), and is exact for this model (test_cost_cut_is_optimal_for_its_model
+checks it against every cut). With s = 0 the count costs nothing and one cut per prefix is kept.
+Ties go to fewer buffers. The costs are the ones every rank agreed on, so every rank computes the
+same cut.
 
 Without costs yet (the profiling rounds), and for a dense sparsifier, "auto" is DDP's layout: a
 1 MiB first buffer, then 25 MiB ones, so the dense engine sums exactly as DDP does.
@@ -132,27 +134,44 @@ def cut_by_cost(
             element[b - 1],
         )
 
-    # finish[b], buffers[b], start[b]: the best cut of the first b tensors, its buffer count and
-    # where its last buffer starts; the best is the one whose finish plus its buffers' spread is least
+    # fronts[b]: the cuts of the first b tensors that no other beats on both finish and buffer
+    # count, as (finish, buffers, a, state of a's front), fewest buffers first. Both the later
+    # buffers' finish and the spread grow with each, so one of these is the prefix of the best cut.
     spread = costs.serial_cpu * costs.buffer_overhead
-    finish, buffers, start = [0.0] + [float("inf")] * n, [0] * (n + 1), [0] * (n + 1)
+    fronts: list[list[tuple[float, int, int, int]]] = [[(0.0, 0, 0, 0)]] + [[] for _ in range(n)]
     for b in range(1, n + 1):
         dtype = params[b - 1][1].dtype
+        candidates = []
         for a in range(b - 1, max(-1, b - 1 - WINDOW), -1):
             if params[a][1].dtype != dtype:
                 break
             if a == 0 and first_cap_bytes is not None and nbytes[b] > first_cap_bytes and b > 1:
                 continue
-            count = buffers[a] + 1
-            candidate = max(ready[b] + spread * buffers[a], finish[a]) + comm(a, b)
-            if (candidate + spread * count, count) < (finish[b] + spread * buffers[b], buffers[b]):
-                finish[b], buffers[b], start[b] = candidate, count, a
+            cost = comm(a, b)
+            for state, (finish, count, _, _) in enumerate(fronts[a]):
+                candidates.append((max(ready[b] + spread * count, finish) + cost, count + 1, a, state))
+        fronts[b] = pareto_front(candidates, keep_one=spread == 0)
+    end = min(range(len(fronts[n])), key=lambda i: (fronts[n][i][0] + spread * fronts[n][i][1], fronts[n][i][1]))
     groups: list[list[Item]] = []
     b = n
     while b > 0:
-        groups.append(list(params[start[b] : b]))
-        b = start[b]
+        _, _, a, end = fronts[b][end]
+        groups.append(list(params[a:b]))
+        b = a
     return groups[::-1]
+
+
+def pareto_front(candidates: list[tuple[float, int, int, int]], keep_one: bool) -> list[tuple[float, int, int, int]]:
+    """The (finish, buffers, ...) candidates that no other beats on both, fewest buffers first; only
+    the earliest finish when buffers cost nothing later (``keep_one``). Ties go to fewer buffers."""
+    ordered = sorted(candidates, key=lambda c: (c[1], c[0]))
+    if keep_one:
+        return [min(ordered, key=lambda c: c[0])]
+    front: list[tuple[float, int, int, int]] = []
+    for candidate in ordered:
+        if not front or candidate[0] < front[-1][0]:
+            front.append(candidate)
+    return front
 
 
 def modelled_finish(groups: Sequence[Sequence[Item]], costs: CostProfile, sparse_of, k_of) -> float:
