@@ -35,7 +35,6 @@ from ssfusion_lightning.comm.topology import Hierarchy, create_hierarchy
 from ssfusion_lightning.engine.engine import NONFINITE_POLICIES, EngineConfig, FusionEngine
 from ssfusion_lightning.engine.errors import CommunicationError
 from ssfusion_lightning.engine.metrics import StepMetrics
-from ssfusion_lightning.engine.module_buffers import BROADCAST_BUFFERS_CHOICES, BufferBroadcast
 from ssfusion_lightning.engine.state import CHECKPOINT_KEY, ResumeChanges, gather_to_rank0, plain, resume_changes
 from ssfusion_lightning.engine.state import FORMAT as ENGINE_STATE_FORMAT
 from ssfusion_lightning.fusion import FUSION_POLICIES
@@ -165,13 +164,8 @@ class SSFusionStrategy(DDPStrategy):
             matches no name is an error.
         start_method: as DDP's: how Lightning launches the ranks, "popen" | "spawn" | "fork" | "forkserver".
         find_unused_parameters: as DDP's: a parameter that no rank used keeps ``.grad`` untouched.
-        broadcast_buffers: module buffers (BatchNorm statistics) go from rank 0 to every rank
-            before each forward that follows a synchronized one: true (default) in a blocking
-            broadcast before the forward, as DDP's; "overlap" during the backward, as the forward
-            left them; false never. Under "overlap" every rank copies them in before the next
-            forward; the values are DDP's unless buffers change between a backward and the next
-            forward (a callback): rank 0's change is then not sent, and the rank that sees one
-            warns (``engine/module_buffers.py``).
+        broadcast_buffers: as DDP's: module buffers (BatchNorm statistics) are broadcast from rank 0
+            before each synchronized forward.
         nonfinite: a NaN/Inf gradient on any rank makes every rank "raise" (default) or "skip" the
             step; error feedback and sparsifier thresholds never absorb it. Under fp16 mixed precision
             with a GradScaler the step is the scaler's instead: every rank writes inf into the
@@ -220,7 +214,7 @@ class SSFusionStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         find_unused_parameters: bool = False,
-        broadcast_buffers: bool | Literal["overlap"] = True,
+        broadcast_buffers: bool = True,
         nonfinite: str = "raise",
         comm_options: Optional[dict[str, Any]] = None,
         fusion_options: Optional[dict[str, Any]] = None,
@@ -290,11 +284,7 @@ class SSFusionStrategy(DDPStrategy):
         self.density_warmup_epochs = float(density_warmup_epochs)
         self.dense_params = _patterns("dense_params", dense_params)
         self.find_unused_parameters = bool(find_unused_parameters)
-        if not (isinstance(broadcast_buffers, bool) or broadcast_buffers == "overlap"):
-            raise ValueError(
-                f"unknown broadcast_buffers {broadcast_buffers!r}; valid choices: {', '.join(map(repr, BROADCAST_BUFFERS_CHOICES))}"
-            )
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = bool(broadcast_buffers)
         self.nonfinite = _choice("nonfinite policy", nonfinite, NONFINITE_POLICIES)
         self.comm_options = dict(comm_options or {})
         self.fusion_options = dict(fusion_options or {})
@@ -309,8 +299,6 @@ class SSFusionStrategy(DDPStrategy):
         self.last_metrics: StepMetrics = StepMetrics()
         self._groups: list[dist.ProcessGroup] = []
         self._buffers_due = True
-        self._buffers_in_flight: BufferBroadcast | None = None
-        self._warned_buffers_changed = False
         self._restored_state: dict[str, Any] | None = None
         self._final_engine_state: dict[str, Any] | None = None
 
@@ -481,7 +469,6 @@ class SSFusionStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._buffers_in_flight = None  # as under DDP, no forward takes the last step's buffers now
         if self.engine is not None:
             # trainer.save_checkpoint() after fit() must still carry every rank's engine state
             self._final_engine_state = self.engine.state_dict()
@@ -524,38 +511,19 @@ class SSFusionStrategy(DDPStrategy):
         return super().validation_step(*args, **kwargs)
 
     def _sync_buffers_before_forward(self) -> None:
-        """DDP's rule: rank 0's buffers on every rank before a forward that follows a synchronized one;
-        those sent during the last backward ("overlap") where they are in flight."""
+        """DDP's rule: broadcast buffers from rank 0 before a forward that follows a synchronized one."""
         if self.engine is None:
             return
-        in_flight, self._buffers_in_flight = self._buffers_in_flight, None
-        if in_flight is not None:
-            if in_flight.apply(self.engine.config.timeout_seconds) and not self._warned_buffers_changed:
-                self._warned_buffers_changed = True
-                log.warning(
-                    "ssfusion: module buffers changed between a backward and the next forward on rank %d; "
-                    "with broadcast_buffers='overlap' every rank gets rank 0's buffers as its forward left "
-                    "them, so such a change on rank 0 does not reach the other ranks. broadcast_buffers=True "
-                    "broadcasts before every forward, as DDP does.", self.global_rank,
-                )
-        elif self.broadcast_buffers and self._buffers_due and _distributed_is_initialized():
-            buffers = self._module_buffers()
+        if self.broadcast_buffers and self._buffers_due and _distributed_is_initialized():
+            buffers = [b for b in self.model.buffers() if b.numel() > 0]
             if buffers:
                 dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 1024 * 1024, 0)
         self._buffers_due = torch.is_grad_enabled() and self.engine.sync_enabled
 
-    def _module_buffers(self) -> list[torch.Tensor]:
-        return [b for b in self.model.buffers() if b.numel() > 0]
-
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.engine is None:
-            return
-        self.engine.begin_backward()
-        if self.broadcast_buffers == "overlap" and self._buffers_due and self._buffers_in_flight is None:
-            buffers = self._module_buffers() if _distributed_is_initialized() else []
-            if buffers:  # ahead of this step's buffers on the channel, so it runs behind the backward
-                self._buffers_in_flight = BufferBroadcast(buffers, self.global_rank, self.engine.channels[0])
+        if self.engine is not None:
+            self.engine.begin_backward()
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -16,8 +16,7 @@ or of a whole buffer (``_compress_buffer``); ``pack`` packing a buffer's pieces 
 ``launch`` handing a buffer to the communicator (``_launch_encoded``); ``comm`` one of the buffer's
 collectives, from its start to its completion on the channel's worker (``comm/channels.py``:
 ``Channel._run``); ``control`` the same for the round's control collectives (non-finite vote,
-usage and ready-order agreement, cost agreement) and the broadcast of module buffers
-(``engine/module_buffers.py``), which belong to no buffer; ``wait`` the main
+usage and ready-order agreement, cost agreement), which belong to no buffer; ``wait`` the main
 thread waiting for a buffer in ``finish``; ``write`` writing a buffer's gradients and updating its
 error feedback (``finish``). Marks (instants): ``backward.begin`` (``begin_backward``) and
 ``backward.end`` (``finish`` entered: the backward is over).

@@ -304,7 +304,7 @@ def test_first_buffer_cap_reaches_the_strategy_and_null_means_buffer_mb():
         ("strategy.warmup_steps=-1", "invalid value strategy.warmup_steps=-1; valid: an integer >= 0"),
         ("strategy.memory=ef", "invalid value strategy.memory=ef; valid: one of dgc, none, residual"),
         ("strategy.start_method=threads", "invalid value strategy.start_method=threads; valid: one of auto, popen"),
-        ("strategy.broadcast_buffers=maybe", "invalid value strategy.broadcast_buffers=maybe; valid: true, false or overlap"),
+        ("strategy.broadcast_buffers=maybe", "invalid value strategy.broadcast_buffers=maybe; valid: true or false"),
     ],
 )
 def test_bad_strategy_options_are_named(override, message):

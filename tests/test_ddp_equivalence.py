@@ -76,22 +76,7 @@ def test_full_density_topk_equals_ddp_for_every_policy_and_communicator(pool2):
         assert not differing, f"rank {rank}: max |difference| from DDP per combination: {differing}"
 
 
-class HalveVariance:
-    """A callback that changes a buffer outside the forward, on every rank alike (built inside the
-    worker, where Lightning is imported)."""
-
-    @staticmethod
-    def build():
-        import lightning as L
-
-        class Halve(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, *args):
-                pl_module.net[1].running_var.mul_(0.5)
-
-        return Halve()
-
-
-def fit_and_get_state(strategy, changed_outside_forward: bool = False, **trainer_kwargs) -> dict[str, torch.Tensor]:
+def fit_and_get_state(strategy, **trainer_kwargs) -> dict[str, torch.Tensor]:
     """A BatchNorm regressor's parameters, buffers (running statistics, which a training forward
     updates from the rank's own batch) and, with validation, its last validation loss (an eval
     forward reads the running statistics)."""
@@ -103,8 +88,7 @@ def fit_and_get_state(strategy, changed_outside_forward: bool = False, **trainer
     L.seed_everything(0, verbose=False)
     model = Regressor("batchnorm")
     loader = DataLoader(regression_data(), batch_size=16)
-    callbacks = [HalveVariance.build()] if changed_outside_forward else []
-    trainer = make_trainer(strategy, 6, callbacks=callbacks, **trainer_kwargs)
+    trainer = make_trainer(strategy, 6, **trainer_kwargs)
     trainer.fit(model, loader, loader if trainer_kwargs.get("limit_val_batches") else None)
     state = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
     if "val_loss" in trainer.callback_metrics:
@@ -112,27 +96,20 @@ def fit_and_get_state(strategy, changed_outside_forward: bool = False, **trainer
     return state
 
 
-def buffers_pair(trainer_kwargs: dict, broadcast_buffers=True, changed_outside_forward=False):
-    """DDP's state and the strategy's, from the same run."""
-    ours = ssf.SSFusionStrategy(**DENSE, broadcast_buffers=broadcast_buffers)
-    return (
-        fit_and_get_state("ddp", changed_outside_forward, **trainer_kwargs),
-        fit_and_get_state(ours, changed_outside_forward, **trainer_kwargs),
-    )
+def buffers_pair(trainer_kwargs: dict):
+    return fit_and_get_state("ddp", **trainer_kwargs), fit_and_get_state(ssf.SSFusionStrategy(**DENSE), **trainer_kwargs)
 
 
-@pytest.mark.parametrize("broadcast_buffers", ["overlap", True])
 @pytest.mark.parametrize(
     "trainer_kwargs",
     [{}, {"accumulate_grad_batches": 2}, {"limit_val_batches": 2, "val_check_interval": 2}],
     ids=["plain", "accumulate2", "validation"],
 )
-def test_buffers_equal_ddps_on_every_rank(pool2, trainer_kwargs, broadcast_buffers):
-    """DDP broadcasts rank 0's buffers in front of each forward that follows a synchronized one.
-    "overlap" starts that broadcast right after the forward before and writes it in front of the
-    next; True broadcasts in front of the forward, as DDP. Every rank ends with DDP's buffers (its
-    own last batch's update on rank 0's statistics)."""
-    results = pool2.run(buffers_pair, trainer_kwargs, broadcast_buffers)
+def test_buffers_equal_ddps_on_every_rank(pool2, trainer_kwargs):
+    """DDP broadcasts rank 0's buffers in front of each forward that follows a synchronized one;
+    the strategy starts that broadcast right after the forward before and writes it in front of the
+    next. Every rank ends with DDP's buffers (its own last batch's update on rank 0's statistics)."""
+    results = pool2.run(buffers_pair, trainer_kwargs)
     for rank, (reference, ours) in enumerate(results):
         assert reference.keys() == ours.keys()
         for name in reference:
@@ -144,61 +121,3 @@ def test_buffers_equal_ddps_on_every_rank(pool2, trainer_kwargs, broadcast_buffe
     else:
         # each rank's last batch updated rank 0's statistics: they differ, so DDP's are not trivial
         assert not torch.equal(means[0], means[1])
-
-
-def warnings_of_changed_buffers(broadcast_buffers):
-    """The strategy's warnings on this rank, and the buffers of a run whose callback changes one
-    outside the forward, beside DDP's."""
-    import logging
-
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("ssfusion_lightning.strategy")
-    logger.addHandler(handler)
-    try:
-        pair = buffers_pair({}, broadcast_buffers, changed_outside_forward=True)
-    finally:
-        logger.removeHandler(handler)
-    return pair, [message for message in records if "module buffers changed" in message]
-
-
-def test_a_change_outside_the_forward_is_ddps_when_blocking_and_warned_when_overlapped(pool2):
-    """A callback halves a running variance after each step on every rank. The blocking broadcast
-    sends rank 0's halved values before the next forward, as DDP does; the overlapped one left
-    before the change, so it cannot carry it: every rank sees its own change and warns, once, and
-    rank 1 ends with other values than DDP's."""
-    for rank, ((reference, ours), warned) in enumerate(pool2.run(warnings_of_changed_buffers, True)):
-        assert not warned
-        for name in reference:
-            assert torch.equal(reference[name], ours[name]), f"rank {rank}: {name} differs from DDP"
-    for rank, ((reference, ours), warned) in enumerate(pool2.run(warnings_of_changed_buffers, "overlap")):
-        assert len(warned) == 1 and f"rank {rank}" in warned[0], (rank, warned)
-        # rank 0 keeps its own buffers, as under DDP; rank 1 got rank 0's from before the halving
-        assert torch.equal(reference["net.1.running_var"], ours["net.1.running_var"]) == (rank == 0)
-
-
-def overlapped_broadcast_events():
-    """Per step, the names of the collectives on the strategy's channel in the order they ran."""
-    import lightning as L
-    from torch.utils.data import DataLoader
-
-    from tests.workloads import Regressor, make_trainer, regression_data
-
-    L.seed_everything(0, verbose=False)
-    strategy = ssf.SSFusionStrategy(**DENSE, broadcast_buffers="overlap", timeline=True)
-    make_trainer(strategy, 4).fit(Regressor("batchnorm"), DataLoader(regression_data(), batch_size=16))
-    order = {}
-    for step in range(4):
-        spans = [e for e in strategy.timeline.events(step=step) if e.name in ("comm", "control")]
-        order[step] = [e.name for e in sorted(spans, key=lambda e: e.start_ns)]
-    return order
-
-
-def test_overlapped_buffers_are_sent_ahead_of_the_steps_gradients(pool2):
-    """The broadcast of rank 0's buffers is queued on the strategy's channel when the backward
-    begins: in every step it is the first collective, ahead of the gradient buffers launched from
-    the backward's hooks (the channel runs its jobs in order: no timings involved)."""
-    for rank, order in enumerate(pool2.run(overlapped_broadcast_events)):
-        for step in range(4):
-            assert order[step][0] == "control" and "comm" in order[step], (rank, step, order[step])

@@ -59,8 +59,6 @@ def test_strategy_string_reaches_the_trainer():
         ({"process_groups": 0}, "process_groups must be an integer >= 1, got 0"),
         ({"warmup_steps": -2}, "warmup_steps must be an integer >= 0, got -2"),
         ({"nonfinite": "ignore"}, "unknown nonfinite policy 'ignore'; valid choices: raise, skip"),
-        ({"broadcast_buffers": "later"}, "unknown broadcast_buffers 'later'; valid choices: True, False, 'overlap'"),
-        ({"broadcast_buffers": 1}, "unknown broadcast_buffers 1; valid choices: True, False, 'overlap'"),
     ],
 )
 def test_bad_arguments_name_the_value_and_the_choices(kwargs, message):

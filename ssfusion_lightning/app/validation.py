@@ -114,7 +114,7 @@ _SSFUSION_RULES: dict[str, Callable[[str, Any], None]] = {
         "a list of parameter-name patterns (fnmatch), e.g. ['*embed*', '*norm*']",
     ),
     "find_unused_parameters": _rule(lambda v: isinstance(v, bool), "true or false"),
-    "broadcast_buffers": _rule(lambda v: isinstance(v, bool) or v == "overlap", "true, false or overlap"),
+    "broadcast_buffers": _rule(lambda v: isinstance(v, bool), "true or false"),
     "nonfinite": _choice_rule(NONFINITE_CHOICES),
     "timeout": _rule(lambda v: v is None or (_is_number(v) and v > 0), "a number of seconds > 0, or null (torch's default)"),
     "memory_options": _rule(lambda v: isinstance(v, Mapping), "a mapping of the memory's constructor options"),
