@@ -106,9 +106,9 @@ def buffers_pair(trainer_kwargs: dict):
     ids=["plain", "accumulate2", "validation"],
 )
 def test_buffers_equal_ddps_on_every_rank(pool2, trainer_kwargs):
-    """DDP broadcasts rank 0's buffers in front of each forward that follows a synchronized one;
-    the strategy starts that broadcast right after the forward before and writes it in front of the
-    next. Every rank ends with DDP's buffers (its own last batch's update on rank 0's statistics)."""
+    """DDP broadcasts rank 0's buffers in front of each forward that follows a synchronized one, and
+    so does the strategy. Every rank ends with DDP's buffers (its own last batch's update on rank 0's
+    statistics)."""
     results = pool2.run(buffers_pair, trainer_kwargs)
     for rank, (reference, ours) in enumerate(results):
         assert reference.keys() == ours.keys()
