@@ -141,7 +141,7 @@ def cut_by_cost(
     fronts: list[list[tuple[float, int, int, int]]] = [[(0.0, 0, 0, 0)]] + [[] for _ in range(n)]
     for b in range(1, n + 1):
         dtype = params[b - 1][1].dtype
-        candidates = []
+        best: dict[int, tuple[float, int, int]] = {}  # per buffer count: the earliest finish, a, state
         for a in range(b - 1, max(-1, b - 1 - WINDOW), -1):
             if params[a][1].dtype != dtype:
                 break
@@ -149,8 +149,14 @@ def cut_by_cost(
                 continue
             cost = comm(a, b)
             for state, (finish, count, _, _) in enumerate(fronts[a]):
-                candidates.append((max(ready[b] + spread * count, finish) + cost, count + 1, a, state))
-        fronts[b] = pareto_front(candidates, keep_one=spread == 0)
+                launch = ready[b] + spread * count
+                candidate = max(launch, finish) + cost
+                kept = best.get(count + 1)
+                if kept is None or candidate < kept[0]:
+                    best[count + 1] = (candidate, a, state)
+                if launch >= finish:
+                    break  # a's later states have more buffers and finish earlier: from here on they finish later
+        fronts[b] = pareto_front(best, keep_one=spread == 0)
     end = min(range(len(fronts[n])), key=lambda i: (fronts[n][i][0] + spread * fronts[n][i][1], fronts[n][i][1]))
     groups: list[list[Item]] = []
     b = n
@@ -161,17 +167,16 @@ def cut_by_cost(
     return groups[::-1]
 
 
-def pareto_front(candidates: list[tuple[float, int, int, int]], keep_one: bool) -> list[tuple[float, int, int, int]]:
-    """The (finish, buffers, ...) candidates that no other beats on both, fewest buffers first; only
-    the earliest finish when buffers cost nothing later (``keep_one``). Ties go to fewer buffers."""
-    ordered = sorted(candidates, key=lambda c: (c[1], c[0]))
-    if keep_one:
-        return [min(ordered, key=lambda c: c[0])]
+def pareto_front(best: dict[int, tuple[float, int, int]], keep_one: bool) -> list[tuple[float, int, int, int]]:
+    """From the earliest finish per buffer count, the (finish, buffers, a, state) that no other beats
+    on both, fewest buffers first; only the earliest finish when buffers cost nothing later
+    (``keep_one``). Ties go to fewer buffers."""
     front: list[tuple[float, int, int, int]] = []
-    for candidate in ordered:
-        if not front or candidate[0] < front[-1][0]:
-            front.append(candidate)
-    return front
+    for count in sorted(best):
+        finish, a, state = best[count]
+        if not front or finish < front[-1][0]:
+            front.append((finish, count, a, state))
+    return [min(front, key=lambda c: c[0])] if keep_one else front
 
 
 def modelled_finish(groups: Sequence[Sequence[Item]], costs: CostProfile, sparse_of, k_of) -> float:
