@@ -155,13 +155,13 @@ def cut_by_cost(
                 if kept is None or candidate < kept[0]:
                     best[count + 1] = (candidate, a, state)
                 if launch >= finish:
-                    break  # a's later states have more buffers and finish earlier: from here on they finish later
+                    break  # a's later states have more buffers, so they launch later and finish later than this
         fronts[b] = pareto_front(best, keep_one=spread == 0)
-    end = min(range(len(fronts[n])), key=lambda i: (fronts[n][i][0] + spread * fronts[n][i][1], fronts[n][i][1]))
+    state = min(range(len(fronts[n])), key=lambda i: (fronts[n][i][0] + spread * fronts[n][i][1], fronts[n][i][1]))
     groups: list[list[Item]] = []
     b = n
     while b > 0:
-        _, _, a, end = fronts[b][end]
+        _, _, a, state = fronts[b][state]
         groups.append(list(params[a:b]))
         b = a
     return groups[::-1]
