@@ -17,6 +17,8 @@ and topk at density d sends k = max(1, floor(d * n)) elements of an n-element te
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -170,8 +172,10 @@ def test_selective_plan_applies_the_threshold():
 # channel then frees up at clock + its communication. The tail merges into the buffer before it
 # when ready[-1] + comm(merged) <= max(ready[-2] + comm(before), ready[-1]) + comm(last) and the
 # merged buffer fits the cap.
-def boundaries(backward_us, allgather_alpha_us, cap_bytes=1 << 30):
-    costs = profile(backward_us, allgather_alpha_us=allgather_alpha_us)
+def boundaries(backward_us, allgather_alpha_us, cap_bytes=1 << 30, overhead_us=0.0, serial_cpu=0.0):
+    costs = dataclasses.replace(
+        profile(backward_us, allgather_alpha_us=allgather_alpha_us), buffer_overhead=overhead_us * US, serial_cpu=serial_cpu
+    )
     groups = adaptive_boundaries(specs(*[100] * len(backward_us)), costs, build_sparsifier("topk", density=0.1), cap_bytes)
     return [[spec.name for _, spec in group] for group in groups]
 
@@ -216,6 +220,18 @@ def test_adaptive_waits_for_the_channel(p1_backward_us, expected):
 )
 def test_adaptive_merges_the_tail_when_it_does_not_finish_later(p2_backward_us, cap_bytes, expected):
     assert boundaries([1, 1, p2_backward_us], 0.6, cap_bytes) == expected
+
+
+def test_adaptive_buffer_overhead_on_a_busy_core_merges_the_tail():
+    """a_g = 0.4 us and 0.3 us of CPU a buffer (o). Free core (s = 0): the channel is busy o longer,
+    [p0] closes at 1 (free at 1 + 0.48 + 0.3 = 1.78), p1 at 2, p2 at 3 close alone; tail: separate
+    max(3 + 0.78, 4) + 0.78 = 4.78, merged 4 + 0.56 + 0.3 = 4.86: four buffers. Busy core (s = 1):
+    each closed buffer also makes the later gradients 0.3 us later: [p0] at 1, [p1] at 2.3, [p2] at
+    3.6, p3 ready at 4.9; tail: separate max(3.6 + 0.78, 4.9) + 0.78 + 0.3 = 5.98, merged
+    4.9 - 0.3 + 0.56 + 0.3 = 5.46: three buffers."""
+    singles = [["p0"], ["p1"], ["p2"], ["p3"]]
+    assert boundaries([1, 1, 1, 1], 0.4, overhead_us=0.3) == singles
+    assert boundaries([1, 1, 1, 1], 0.4, overhead_us=0.3, serial_cpu=1.0) == [["p0"], ["p1"], ["p2", "p3"]]
 
 
 # --------------------------------------------------------------------------- partial: sparse_decisions

@@ -5,6 +5,12 @@ alpha-beta model: a buffer is closed once its gradients are ready no earlier tha
 frees up (so its communication overlaps the backward of the next tensors) and it is large enough
 to amortise the link latency; the tail is merged into the previous buffer when that does not
 finish later (the last communication is exposed anyway). Selections are aligned (exact k_i).
+
+Each buffer also costs the measured CPU of one buffer (``CostProfile.buffer_overhead``, o): its
+channel is busy that much longer. On a rank whose engine threads share its core (``serial_cpu``
+s > 0) that CPU is taken from the backward, so each closed buffer makes the later gradients ready
+s * o later, and the ranks' backward passes end s * o further apart (``fusion/cut.py`` measures
+both); the tail merge counts both. With o = 0 the rule is SAFusion's as published.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ def adaptive_boundaries(
     params: Sequence[tuple[int, ParamSpec]], costs: CostProfile, sparsifier, cap_bytes: float, first_cap_bytes: float | None = None
 ) -> list[list[tuple[int, ParamSpec]]]:
     latency_bytes = costs.allgather.alpha / costs.allgather.beta if costs.allgather.beta > 0 else 0.0
+    overhead, delay = costs.buffer_overhead, costs.serial_cpu * costs.buffer_overhead
     groups: list[list[tuple[int, ParamSpec]]] = []
     ready_at: list[float] = []
     current: list[tuple[int, ParamSpec]] = []
@@ -42,6 +49,7 @@ def adaptive_boundaries(
         if current and (sum(s.nbytes for _, s in current) + spec.nbytes > cap or spec.dtype != current[0][1].dtype):
             groups.append(current)
             ready_at.append(clock)
+            clock += delay
             current = []
         clock += costs.backward_seconds(spec.name)
         current.append(item)
@@ -50,22 +58,25 @@ def adaptive_boundaries(
         if clock >= channel_free and payload >= latency_bytes:
             groups.append(current)
             ready_at.append(clock)
-            channel_free = clock + compress + comm
+            channel_free = clock + compress + comm + overhead
+            clock += delay
             current = []
     if current:
         groups.append(current)
         ready_at.append(clock)
     if len(groups) >= 2:
         # The backward is over when the last buffer is ready: merge it into the previous one
-        # when the merged communication does not finish later than the two separate ones.
+        # when the merged communication does not finish later than the two separate ones (the
+        # separate ones' extra buffer also delayed the last gradients and spreads the ranks).
         *_, before, last = groups
         c1, m1 = buffer_seconds(before, costs, sparsifier)
         c2, m2 = buffer_seconds(last, costs, sparsifier)
-        separate = max(ready_at[-2] + c1 + m1, ready_at[-1] + c2) + m2
+        separate = max(ready_at[-2] + c1 + m1 + overhead, ready_at[-1] + c2) + m2 + overhead + delay
         cm, mm = buffer_seconds(before + last, costs, sparsifier)
+        merged = ready_at[-1] - delay + cm + mm + overhead
         merged_bytes = sum(s.nbytes for _, s in before + last)
         merged_cap = cap_bytes if len(groups) > 2 or first_cap_bytes is None else first_cap_bytes
-        if ready_at[-1] + cm + mm <= separate and merged_bytes <= merged_cap and before[0][1].dtype == last[0][1].dtype:
+        if merged <= separate and merged_bytes <= merged_cap and before[0][1].dtype == last[0][1].dtype:
             groups[-2:] = [before + last]
     return groups
 
