@@ -15,12 +15,11 @@ of the first b tensors in m buffers,
     F(b, m) = min over a < b of  max(R_b + s * o * (m - 1), F(a, m - 1)) + comm(a, b)
 
 where o is the buffer overhead and s the measured share of other threads' CPU work that delays
-the backward (``CostProfile.serial_cpu``): on a rank with
-one core (s = 1) every earlier buffer's launch and collective push the rest of the backward back.
-The cut minimises F(n, m) + s * o * m over m. The second term is the ranks' spread: each buffer's work
-lands on each rank's core at a different point of its backward, so the ranks' backward passes end
-further apart the more buffers there are, and the round ends when the later one's last collective
-does (gpt2_10m at P = 2, one core a rank: 1 ms more apart and 1.5 ms more backward a buffer, from
+the backward (``CostProfile.serial_cpu``): on a rank with one core (s = 1) every earlier buffer's
+launch and collective push the rest of the backward back. The cut minimises F(n, m) + s * o * m
+over m. The second term is the ranks' spread: each buffer's work lands on each rank's core at a
+different point of its backward, so the ranks' backward passes end further apart the more buffers
+there are, and the round ends when the later one's last collective does (gpt2_10m at P = 2, one core a rank: 1 ms more apart and 1.5 ms more backward a buffer, from
 3 to 32 buffers, results/timeline_spread.md; o was 1.2-1.5 ms). Both terms grow with each buffer,
 so a prefix's cut that finishes no earlier and has no fewer buffers than another is never part of
 the best: the program keeps, for every prefix, the cuts that no other beats on both (a Pareto front
