@@ -188,14 +188,17 @@ class DecodeProbe(L.Callback):
         self.local: dict[int, int] = {}  # parameter position -> its local gradient's storage
         self.held_at_decode: list[list[int]] = []
         self.shared_storages: list[bool] = []
+        self.kept_by_engine: list[bool] = []  # per step and buffer: the engine holds its gradients' storage
 
     def on_after_backward(self, trainer, pl_module) -> None:
         self.engine = engine = trainer.strategy.engine
         sparse = {slot.param for buffer in engine.plan.buffers for slot in buffer.sparse_slots}
         self.local = {p: engine.params[p].grad.untyped_storage().data_ptr() for p in sparse if engine.params[p].grad is not None}
 
-    def decoding(self) -> None:
-        reachable = storages(self.engine, set())
+    def decoding(self, target) -> None:
+        # the storage decoded into (kept by the engine on the host) may take a released gradient's memory
+        excluded = set() if target is None else {target.untyped_storage().data_ptr()}
+        reachable = storages(self.engine, excluded)
         held = [p for p, ptr in self.local.items() if ptr in reachable or self.engine.params[p].grad is not None]
         self.held_at_decode.append(held)
 
@@ -203,7 +206,9 @@ class DecodeProbe(L.Callback):
         engine = trainer.strategy.engine
         for buffer in engine.plan.buffers:
             grads = [engine.params[slot.param].grad for slot in buffer.sparse_slots]
-            self.shared_storages.append(len({g.untyped_storage().data_ptr() for g in grads}) == 1)
+            ptrs = {g.untyped_storage().data_ptr() for g in grads}
+            self.shared_storages.append(len(ptrs) == 1)
+            self.kept_by_engine.append(min(ptrs) in storages(engine, set()))
 
 
 def decode_run(config: dict, steps: int = 5):
@@ -215,14 +220,14 @@ def decode_run(config: dict, steps: int = 5):
     probe = DecodeProbe()
     dense = SparseSum.dense
 
-    def observed(self):
-        probe.decoding()
-        return dense(self)
+    def observed(self, storage=None):
+        probe.decoding(storage)
+        return dense(self, storage)
 
     with mock.patch.object(SparseSum, "dense", observed):
         trainer = make_trainer(ssf.SSFusionStrategy(**config), steps, callbacks=[probe])
         trainer.fit(Wide(), DataLoader(regression_data(), batch_size=16))
-    return {"held": probe.held_at_decode, "shared": probe.shared_storages}
+    return {"held": probe.held_at_decode, "shared": probe.shared_storages, "kept": probe.kept_by_engine}
 
 
 @pytest.mark.parametrize(
@@ -232,9 +237,12 @@ def decode_run(config: dict, steps: int = 5):
 def test_the_decoded_sum_takes_the_local_gradients_memory(pool2, comm, options):
     """A sum left as pairs is decoded only once the buffer's local sparse gradients are in the
     error feedback and no longer held, so the decoded total replaces them instead of sitting beside
-    them; the gradients written are views of it (one storage per buffer, no copy)."""
+    them; the gradients written are views of it (one storage per buffer, no copy). On the host that
+    storage is the engine's, kept from round to round."""
     config = dict(sparsifier="topk", fusion="ahead", comm=comm, comm_options=options, density=0.05, offload="none", buffer_mb=0.5)
     for result in pool2.run(decode_run, config, timeout=300):
         assert result["held"], "the sums were decoded at the write"
         assert all(held == [] for held in result["held"]), result["held"]
         assert result["shared"] and all(result["shared"]), result["shared"]
+        # from step 1 on: the first round's plan (registration order) is replaced after it, storage and all
+        assert len(result["kept"]) == 5 and all(result["kept"][1:]), result["kept"]

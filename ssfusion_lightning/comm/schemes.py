@@ -69,11 +69,16 @@ class SparseSum:
     dtype: torch.dtype
     pieces: list[tuple[Tensor, Tensor]]
 
-    def dense(self) -> Tensor:
+    def dense(self, storage: Tensor | None = None) -> Tensor:
         """The ``numel``-element sum in ``dtype``, accumulated in ``accumulation_dtype`` and cast
-        once: the same bits on every rank, whose pieces come in the same order."""
-        device = self.pieces[0][0].device if self.pieces else None
-        total = torch.zeros(self.numel, dtype=accumulation_dtype(self.dtype), device=device)
+        once: the same bits on every rank, whose pieces come in the same order. ``storage``: a
+        tensor of ``numel`` elements in the accumulation dtype to accumulate in (zeroed first)
+        instead of a new one."""
+        if storage is not None:
+            total = storage.zero_()
+        else:
+            device = self.pieces[0][0].device if self.pieces else None
+            total = torch.zeros(self.numel, dtype=accumulation_dtype(self.dtype), device=device)
         for positions, values in self.pieces:
             total.index_add_(0, positions, values.to(total.dtype))
         return total.to(self.dtype)
