@@ -237,3 +237,44 @@ def test_gradients_zeroed_in_place_give_the_same_rounds(pool2):
         for a, b in zip(kept, fresh):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
         assert all(torch.equal(x, y) for x, y in zip(kept_res, fresh_res))
+
+
+def compensated_overflow_run():
+    """Round 1: rank 1's gradient of ``a.weight`` is finite but its sum with the residual is not."""
+    torch.manual_seed(0)
+    model = TwoBranch()
+    engine = FusionEngine(
+        list(model.named_parameters()),
+        build_sparsifier("topk", density=0.1),
+        build_memory("residual"),
+        FUSION_POLICIES.build("ahead"),
+        RecordingAllgather(),
+        ChannelSet([dist.new_group(backend="gloo"), dist.new_group(backend="gloo")], torch.device("cpu")),
+        EngineConfig(buffer_bytes=600, nonfinite="skip"),
+    )
+    engine.attach()
+    x = torch.randn(4, 6)
+    model(x, reverse=False).pow(2).sum().backward()
+    engine.finish()
+    if dist.get_rank() == 1:
+        engine.memory.residual("a.weight").fill_(torch.finfo(torch.float32).max)
+        model.a.weight.register_hook(lambda g: g.abs() * 1e32 + 1e32)  # finite; residual + it is not
+    before = {key: value.clone() for key, value in engine.memory.residuals.items()}
+    model.zero_grad(set_to_none=True)
+    model(x, reverse=False).pow(2).sum().backward()
+    grad_finite = bool(torch.isfinite(model.a.weight.grad).all())
+    metrics = engine.finish()
+    engine.close()
+    kept = all(torch.equal(before[key], value) for key, value in engine.memory.residuals.items())
+    return grad_finite, metrics.skipped_steps, kept, [p.grad is None for p in model.parameters()]
+
+
+def test_an_overflow_of_the_compensated_gradient_drops_the_round_on_every_rank(pool2):
+    """The vote checks what is selected from (gradient plus residual), not the bare gradient: a
+    finite gradient whose compensated sum overflows on one rank drops the round on every rank,
+    its error feedback untouched (a commit would have put inf into that rank's residual)."""
+    for grad_finite, skipped, kept, cleared in pool2.run(compensated_overflow_run):
+        assert grad_finite
+        assert skipped == 1
+        assert kept
+        assert all(cleared)

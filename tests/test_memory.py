@@ -141,6 +141,39 @@ def test_huge_finite_values_are_not_mistaken_for_overflow():
 
 
 @pytest.mark.parametrize("memory_name", ["residual", "dgc"])
+def test_a_verified_commit_skips_the_checks_and_keeps_the_same_state(memory_name, monkeypatch):
+    """``verified`` (the engine's vote found the compensated tensor finite): the same state, bit for
+    bit, with no finiteness pass of the commit's own."""
+    import ssfusion_lightning.sparsifiers.memory as memory_module
+
+    checked, verified = build_memory(memory_name), build_memory(memory_name)
+    passes = []
+    monkeypatch.setattr(memory_module, "is_all_finite", lambda t: passes.append(t.numel()) or True)
+    torch.manual_seed(0)
+    for step in range(4):
+        grad = torch.randn(3, 5)
+        sent = torch.randperm(15)[:4]
+        for memory, flag in ((checked, False), (verified, True)):
+            assert torch.isfinite(memory.compensate("w", grad)).all()
+            before = len(passes)
+            memory.update("w", grad, sent, verified=flag)
+            assert (len(passes) == before) == flag, (step, flag, passes)
+    for part, values in checked.state_dict().items():
+        assert all(torch.equal(v, verified.state_dict()[part][k]) for k, v in values.items())
+
+
+def test_a_verified_commit_still_checks_the_unscaling():
+    """With a loss scale the commit divides by it, which can overflow what was finite when selected."""
+    memory = build_memory("residual")
+    grad = torch.full((4,), 6e4, dtype=torch.float16)
+    scale = torch.tensor(0.5)  # a scale below 1: unscaling doubles 6e4 past fp16's 65504
+    assert torch.isfinite(memory.compensate("w", grad, loss_scale=scale)).all()
+    with pytest.raises(FloatingPointError, match="'w'"):
+        memory.update("w", grad, torch.tensor([0]), loss_scale=scale, verified=True)
+    assert memory.residual("w") is None
+
+
+@pytest.mark.parametrize("memory_name", ["residual", "dgc"])
 def test_non_finite_state_is_refused_on_load(memory_name):
     memory = build_memory(memory_name)
     memory.update("w", torch.ones(3), torch.tensor([0]))

@@ -357,7 +357,8 @@ class FusionEngine:
         route = vote_route(plan, self.communicator, self.policy.per_tensor, offloads=bool(self._offloaded))
         vote = NonFiniteVote(route, len(plan.buffers) - 1, self.world_size, self.channels[0])
         # the round's buffers: the policy's plan, then one per sparse-gradient parameter
-        self._round = Round(plan.buffers + self._coo_buffers, len(self.params), ErrorFeedback(self.memory), vote)
+        feedback = ErrorFeedback(self.memory, check=lambda compensated: vote.note(all_finite(compensated)))
+        self._round = Round(plan.buffers + self._coo_buffers, len(self.params), feedback, vote)
 
     def _mark_ready(self, position: int) -> None:
         current = self._round
@@ -434,8 +435,6 @@ class FusionEngine:
     ) -> Piece:
         started = time.perf_counter()
         with self.timeline.span("select", self._slot_of[slot.param][0], slot.name):
-            if slot.sparse and grad is not None:
-                self._round.vote.note(all_finite([grad]))
             piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
         elapsed = time.perf_counter() - started
         if offloaded:
@@ -492,7 +491,6 @@ class FusionEngine:
         ctx = self._context(buffer)
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
-            self._round.vote.note(all_finite(grads))
             for (j, _), piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
                 pieces[j] = piece
         self.metrics.compress_seconds += time.perf_counter() - started
@@ -557,9 +555,6 @@ class FusionEngine:
     def _compress_buffer(self, buffer: Buffer, grads: list[Tensor | None]) -> Encoded:
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index):
-            sparse = [g for slot, g in zip(buffer.slots, grads) if slot.sparse and g is not None]
-            if sparse:
-                self._round.vote.note(all_finite(sparse))
             encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context(buffer))
         self.metrics.compress_seconds += time.perf_counter() - started
         return self._finish_encoding(buffer, encoded)

@@ -41,13 +41,26 @@ class ErrorFeedback:
     #: the factor this round's gradients carry (a GradScaler's scale, 0-d tensor), None without one;
     #: the memory keeps its state unscaled. Taken at the round's first selection.
     loss_scale: Tensor | None = None
+    #: called with the compensated tensors before anything is selected from them (the engine's
+    #: non-finite vote). With it the round commits only after every check passed, so the memory's
+    #: commit need not check the same values again (``Memory.update``'s ``verified``).
+    check: Callable[[Sequence[Tensor]], None] | None = None
 
     def compensate(self, key: str, grad: Tensor) -> Tensor:
-        return self.memory.compensate(key, grad, loss_scale=self.loss_scale)
+        return self._checked([self.memory.compensate(key, grad, loss_scale=self.loss_scale)])[0]
+
+    def compensate_many(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[Tensor]:
+        """``compensate`` of several tensors, checked together."""
+        return self._checked([self.memory.compensate(k, g, loss_scale=self.loss_scale) for k, g in zip(keys, grads)])
 
     def compensate_into(self, key: str, grad: Tensor, out: Tensor) -> Tensor:
         """``compensate`` written into ``out`` (a fused buffer's flat slice), with no temporary."""
-        return self.memory.compensate_into(key, grad, out, loss_scale=self.loss_scale)
+        return self._checked([self.memory.compensate_into(key, grad, out, loss_scale=self.loss_scale)])[0]
+
+    def _checked(self, compensated: list[Tensor]) -> list[Tensor]:
+        if self.check is not None:
+            self.check(compensated)
+        return compensated
 
     def compensate_dense(self, key: str, grad: Tensor) -> Tensor | None:
         """A tensor sent dense: its gradient plus any state it still owes; None when it owes none."""
@@ -64,7 +77,7 @@ class ErrorFeedback:
                 continue
             if applied is not None:
                 sent = sent[torch.isin(sent + update.offset, applied.to(sent.device))]
-            self.memory.update(update.key, update.grad, sent, loss_scale=self.loss_scale)
+            self.memory.update(update.key, update.grad, sent, loss_scale=self.loss_scale, verified=self.check is not None)
 
 
 @dataclass
@@ -150,7 +163,7 @@ class FusionPolicy(ABC):
         """Sparse slots that all have a gradient, compensated one by one and selected in one
         batched call: what ``compress_slot`` gives each, without a selection's fixed cost per
         tensor (which dominates for small tensors)."""
-        compensated = [ctx.feedback.compensate(slot.name, grad) for slot, grad in zip(slots, grads)]
+        compensated = ctx.feedback.compensate_many([slot.name for slot in slots], grads)
         selections = ctx.select_many(compensated, [slot.name for slot in slots], [slot.k for slot in slots])
         return [
             self._sparse_piece(slot, grad, tensor, selection, ctx)

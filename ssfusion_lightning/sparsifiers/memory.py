@@ -14,7 +14,8 @@ holds the gradients until the round commits anyway, so nothing the size of the g
 in between, and a dropped round leaves the state exactly as it was.
 
 Invariant of every memory: a NaN or Inf never enters its state. ``update`` checks the gradient
-first (one cheap reduction); a non-finite one leaves the stored state of that key untouched and
+first (one cheap reduction; the engine, whose vote already checked the compensated tensors, tells it
+to skip this: ``verified``); a non-finite one leaves the stored state of that key untouched and
 raises ``FloatingPointError`` naming the key -- what to do with the step (skip, stop, reset) is
 the strategy's policy. A sum of finite values that overflows (fp16) cannot be undone in place: that
 key's state is dropped and the same error raised. ``load_state_dict`` refuses non-finite state too.
@@ -41,14 +42,20 @@ class Memory(ABC):
     the round with the same ``grad``: the state becomes what ``compensate`` returned, with the
     sent positions zeroed. ``sent_indices`` are the flat positions whose compensated value left
     this rank and was applied. ``loss_scale`` (a 0-d tensor, or None) is the factor ``grad``
-    carries; pass the same one to the ``update`` that follows a ``compensate``.
+    carries; pass the same one to the ``update`` that follows a ``compensate``. ``verified``: the
+    caller found the tensor ``compensate`` returned finite. It is a sum of finite state and terms
+    that include ``grad``, so ``grad`` is finite too, and so is the state the commit recomputes
+    (the same operations): the commit skips its two checks (two passes over the tensor), except
+    with a ``loss_scale``, whose unscaling may still overflow.
     """
 
     @abstractmethod
     def compensate(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor: ...
 
     @abstractmethod
-    def update(self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None: ...
+    def update(
+        self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None, verified: bool = False
+    ) -> None: ...
 
     def compensate_into(self, key: str, grad: Tensor, out: Tensor, loss_scale: Tensor | None = None) -> Tensor:
         """``compensate``'s tensor written into ``out`` (flat, ``grad.numel()`` elements, in logical
@@ -143,7 +150,9 @@ class NoMemory(Memory):
     def compensate(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor:
         return grad.clone(memory_format=torch.contiguous_format)
 
-    def update(self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None:
+    def update(
+        self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None, verified: bool = False
+    ) -> None:
         return None
 
 
@@ -174,8 +183,11 @@ class ResidualMemory(Memory):
             torch.mul(residual.view_as(grad), _scale_on(loss_scale, residual), out=target).add_(grad)
         return out
 
-    def update(self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None:
-        check_finite(key, grad, "gradient")
+    def update(
+        self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None, verified: bool = False
+    ) -> None:
+        if not verified:
+            check_finite(key, grad, "gradient")
         residual = self.residuals.get(key)
         if residual is None or residual.numel() != grad.numel():
             residual = grad.clone(memory_format=torch.contiguous_format)
@@ -183,7 +195,8 @@ class ResidualMemory(Memory):
         else:
             _add_scaled_(residual.view_as(grad), grad, loss_scale)
         _unscale_(residual, loss_scale)
-        _checked_commit(key, [residual], [self.residuals])
+        if not verified or loss_scale is not None:
+            _checked_commit(key, [residual], [self.residuals])
         _zero_at(residual, sent_indices)
 
     def compensate_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor | None:
@@ -332,8 +345,11 @@ class DGCMemory(Memory):
             momentum.mul_(_scale_on(loss_scale, momentum))
         return momentum.mul_(self.momentum).add_(grad)
 
-    def update(self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None) -> None:
-        check_finite(key, grad, "gradient")
+    def update(
+        self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None, verified: bool = False
+    ) -> None:
+        if not verified:
+            check_finite(key, grad, "gradient")
         momentum = self._commit_momentum(key, grad, loss_scale)
         velocity = self.velocities.get(key)
         if velocity is None:
@@ -342,7 +358,8 @@ class DGCMemory(Memory):
             _add_scaled_(velocity, momentum, loss_scale)
         _unscale_(velocity, loss_scale)
         _unscale_(momentum, loss_scale)
-        _checked_commit(key, [momentum, velocity], [self.momenta, self.velocities])
+        if not verified or loss_scale is not None:  # verified: v + u was finite, so both are
+            _checked_commit(key, [momentum, velocity], [self.momenta, self.velocities])
         _zero_at(velocity, sent_indices)
         _zero_at(momentum, sent_indices)
 
