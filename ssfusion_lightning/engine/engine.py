@@ -836,9 +836,10 @@ class FusionEngine:
         """Host memory kept between rounds to decode a buffer's sparse sum into; None on a GPU.
 
         A new host tensor of a large buffer comes as fresh pages, faulted in as they are zeroed:
-        on gpt2_10m (three buffers, 10.7M sparse elements) the zeros took 4.6-5.8 ms a buffer
-        where zeroing kept memory takes about 1 ms. A GPU's caching allocator reuses its blocks,
-        and there a kept total would add its size to the next backward's peak. The gradients
+        on gpt2_10m (three buffers, 10.7M sparse elements, P = 2) the zeros took 4.6-5.8 ms a
+        buffer where zeroing kept memory takes about 1 ms. The cost is memory: the kept total
+        is alive through the next backward (mlp12m's peak RSS: +0.37 gradient sizes). A GPU's
+        caching allocator reuses its blocks, so there the total is not kept. The gradients
         written from it are views of it until the next decode, as with DDP's
         ``gradient_as_bucket_view``; so it is used only where every slot of the buffer is
         written (no ``find_unused_parameters`` round), whose gradients are all released first."""
