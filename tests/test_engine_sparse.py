@@ -50,7 +50,8 @@ class TwoBranch(nn.Module):
 
 
 def make_engine(
-    model: nn.Module, fusion: str, sparsifier: str = "topk", density: float = 0.1, comm=None, profile_steps: int = 3
+    model: nn.Module, fusion: str, sparsifier: str = "topk", density: float = 0.1, comm=None, profile_steps: int = 3,
+    nonfinite: str = "raise",
 ):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return FusionEngine(
@@ -60,7 +61,7 @@ def make_engine(
         FUSION_POLICIES.build(fusion),
         comm or RecordingAllgather(),
         ChannelSet([dist.new_group(backend="gloo"), dist.new_group(backend="gloo")], torch.device("cpu")),
-        EngineConfig(buffer_bytes=600, profile_steps=profile_steps),
+        EngineConfig(buffer_bytes=600, profile_steps=profile_steps, nonfinite=nonfinite),
     )
 
 
@@ -243,15 +244,7 @@ def compensated_overflow_run():
     """Round 1: rank 1's gradient of ``a.weight`` is finite but its sum with the residual is not."""
     torch.manual_seed(0)
     model = TwoBranch()
-    engine = FusionEngine(
-        list(model.named_parameters()),
-        build_sparsifier("topk", density=0.1),
-        build_memory("residual"),
-        FUSION_POLICIES.build("ahead"),
-        RecordingAllgather(),
-        ChannelSet([dist.new_group(backend="gloo"), dist.new_group(backend="gloo")], torch.device("cpu")),
-        EngineConfig(buffer_bytes=600, nonfinite="skip"),
-    )
+    engine = make_engine(model, "ahead", nonfinite="skip")
     engine.attach()
     x = torch.randn(4, 6)
     model(x, reverse=False).pow(2).sum().backward()
