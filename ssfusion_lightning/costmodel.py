@@ -114,6 +114,7 @@ class Profiler:
         self.compress: list[tuple[int, float]] = []
         self.launches: list[float] = []
         self._last_ready: float | None = None
+        self._compress_seconds = 0.0
 
     def begin_backward(self) -> None:
         self._last_ready = time.perf_counter()
@@ -130,10 +131,19 @@ class Profiler:
 
     def compressed(self, numel: int, seconds: float) -> None:
         self.compress.append((numel, seconds))
+        self._compress_seconds += seconds
 
-    def launched(self, seconds: float) -> None:
-        """A buffer's pack and launch on the main thread."""
-        self.launches.append(seconds)
+    def launched(self, seconds: float, compressed_before: float) -> None:
+        """A buffer's launch on the main thread: ``seconds`` less the selections made in it since
+        ``compressed_seconds`` was ``compressed_before`` (the compression line has them: counted
+        in the buffer overhead too, a buffer whose tensors are selected at its launch would pay
+        for its selections twice in the cost cut)."""
+        self.launches.append(seconds - (self._compress_seconds - compressed_before))
+
+    @property
+    def compressed_seconds(self) -> float:
+        """The selections' time so far."""
+        return self._compress_seconds
 
     def local_vector(self, job_cpu_seconds: float = 0.0) -> list[float]:
         """Median backward time per tensor, the compression line's intercept and slope, then the

@@ -172,7 +172,8 @@ def batched_against_per_tensor(fusion: str, sparsifier: str, steps: int = 6):
 
     results = {}
     for batch_below in (1 << 16, 0):
-        engine_module.BATCH_BELOW = batch_below
+        # 0: every tensor in its hook, as a large one on a GPU is (the host batches all by default)
+        engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_ALL = batch_below, batch_below > 0
         try:
             torch.manual_seed(0)
             model = TwoBranch().double()
@@ -195,7 +196,7 @@ def batched_against_per_tensor(fusion: str, sparsifier: str, steps: int = 6):
             engine.close()
             results[batch_below] = (sent, [p.detach().clone() for p in model.parameters()])
         finally:
-            engine_module.BATCH_BELOW = 1 << 16
+            engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_ALL = 1 << 16, True
     return results
 
 
@@ -207,6 +208,40 @@ def test_batched_selection_in_the_engine_sends_what_per_tensor_selection_sends(p
         for (b1, v1, i1), (b2, v2, i2) in zip(batched_sent, hooked_sent):
             assert b1 == b2 and torch.equal(i1, i2) and torch.equal(v1, v2)
         assert all(torch.equal(a, b) for a, b in zip(batched_params, hooked_params))
+
+
+def where_selected_run(host_batches_all: bool, steps: int = 3):
+    """The details of the last round's select spans, with tensors of 16 elements or more counted
+    as large (the weights of ``TwoBranch``'s branches: 36 elements)."""
+    from ssfusion_lightning.engine import engine as engine_module
+
+    engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_ALL = 16, host_batches_all
+    try:
+        torch.manual_seed(0)
+        model = TwoBranch()
+        engine = make_engine(model, "ahead", density=0.2)
+        engine.timeline.enable()
+        engine.attach()
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            engine.begin_backward()
+            model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
+            engine.finish()
+        engine.close()
+        events = engine.timeline.events()
+        last = max(e.step for e in events)
+        return [e.detail for e in events if e.step == last and e.name == "select"]
+    finally:
+        engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_ALL = 1 << 16, True
+
+
+def test_on_the_host_a_large_tensor_is_selected_in_its_buffers_batch_not_in_its_hook(pool2):
+    """On the host the hook's selection runs on the backward's own core and only costs more (cold
+    caches between layers): every sparse tensor waits for its buffer's batch. With the host rule off
+    (a GPU's: large tensors in their hooks) the branch weights are selected one by one."""
+    for batched, hooked in zip(pool2.run(where_selected_run, True), pool2.run(where_selected_run, False)):
+        assert batched and all(detail.endswith("tensors batched") for detail in batched), batched
+        assert {"a.weight", "b.weight"} <= set(hooked), hooked
 
 
 def zeroing_run(set_to_none: bool, steps: int = 4):

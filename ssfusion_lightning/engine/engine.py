@@ -3,11 +3,12 @@
 Free of Lightning: the strategy creates it with the model's parameters and its own channels,
 calls ``finish`` after every backward and toggles ``sync_enabled`` for gradient accumulation.
 
-In the hook of each parameter, as its gradient becomes ready, a per-tensor policy compensates
-and selects that tensor right away, on this thread or on the offload worker as the plan decided:
-compression hides behind the rest of the backward. When a buffer is complete and every earlier one
-has launched, its small sparse tensors (below ``BATCH_BELOW`` elements, whose selection costs
-mostly its fixed overhead) are selected together in one batched call, and its dense tensors are
+In the hook of each parameter, as its gradient becomes ready, a per-tensor policy hands that
+tensor to the offload worker when the plan offloads it, and on a GPU compensates and selects a
+large one right away: compression hides behind the rest of the backward. When a buffer is complete
+and every earlier one has launched, its other sparse tensors (on a GPU those below ``BATCH_BELOW``
+elements, whose selection costs mostly its fixed overhead; on the host all of them: see
+``HOST_BATCHES_ALL``) are selected together in one batched call, and its dense tensors are
 copied into the dense part and scaled, a few tensor ops for all of them (a copy costs no more
 then than in the hook, and one call per tensor cost more CPU than DDP's bucket copy); then its
 pieces are packed in slot order and launched. Whole-buffer policies (``behind``) compress the
@@ -84,8 +85,16 @@ class EngineConfig:
 NONFINITE_POLICIES = ("raise", "skip")
 #: sparse tensors below this many elements are selected together when their buffer is complete
 #: (one batched selection, ``Sparsifier.select_many``): a selection's fixed cost dominates theirs,
-#: while a larger tensor's selection pays for itself in its hook, hidden behind the backward
+#: while a larger tensor's selection on a GPU pays for itself in its hook, hidden behind the backward
 BATCH_BELOW = 1 << 16
+#: on the host, every sparse tensor the main thread selects waits for its buffer's batch, whatever
+#: its size. There the hook runs on the core the backward runs on, so its work hides nothing, and
+#: between two layers' backward kernels each selection starts with cold caches: gpt2's 147K-element
+#: tensors took 0.75 ms a selection in their hooks against 0.27 ms one after another, and its
+#: step's compression fell from 9.3 to 5.2 ms batched (experiments/REPORT.md, "Selection at the
+#: buffer's launch on the host"). A buffer still launches no later: its last tensor's hook is
+#: where both ways finish its selections, and the batch finishes them sooner.
+HOST_BATCHES_ALL = True
 #: ``offload="auto"`` offloads nothing when more than this share of a worker thread's CPU work
 #: delays the main thread (a rank with one core: measured 35 ms more per step on resnet18 at P = 2)
 SERIAL_OFFLOAD_LIMIT = 0.5
@@ -381,9 +390,9 @@ class FusionEngine:
         current = self._round
         while current.next < len(current.buffers) and current.missing[current.next] == 0:
             if self.profiling:
-                started = time.perf_counter()
+                started, compressed = time.perf_counter(), self._profiler.compressed_seconds
                 self._launch(current.buffers[current.next])
-                self._profiler.launched(time.perf_counter() - started)
+                self._profiler.launched(time.perf_counter() - started, compressed)
                 self._profiler.resume()  # the launch is not backward time
             else:
                 self._launch(current.buffers[current.next])
@@ -457,8 +466,13 @@ class FusionEngine:
 
     def _batched(self, slot: Slot) -> bool:
         """Whether a tensor waits for its buffer's batched work instead of its own in the hook: a
-        dense one, or a small sparse one that is not offloaded."""
-        return not slot.sparse or (slot.numel < BATCH_BELOW and slot.param not in self._offloaded)
+        dense one, or a sparse one that is not offloaded and is small or on the host."""
+        if not slot.sparse:
+            return True
+        if slot.param in self._offloaded:
+            return False
+        on_host = self.params[slot.param].device.type == "cpu"
+        return slot.numel < BATCH_BELOW or (HOST_BATCHES_ALL and on_host)
 
     def _compress_rest(self, buffer: Buffer) -> None:
         """The buffer's pieces not made in the hooks: its dense tensors, copied in together, its

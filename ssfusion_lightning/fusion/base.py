@@ -100,12 +100,18 @@ class CompressContext:
         return selected
 
     def select_many(self, compensated: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
-        """Several tensors in one batched selection (each exactly as ``select`` would choose)."""
+        """Several tensors in one batched selection (each exactly as ``select`` would choose).
+
+        The batch's time is reported per tensor, shared out by size: the cost cut charges every
+        sparse tensor the compression line at its own size, so a batch's tensors together cost
+        what the batch took, not one line intercept each."""
         if self.on_selected is None:
             return self.sparsifier.select_many(compensated, keys, ks)
         started = time.perf_counter()
         selected = self.sparsifier.select_many(compensated, keys, ks)
-        self.on_selected(sum(c.numel() for c in compensated), time.perf_counter() - started)
+        seconds, total = time.perf_counter() - started, sum(c.numel() for c in compensated)
+        for tensor in compensated:
+            self.on_selected(tensor.numel(), seconds * tensor.numel() / max(1, total))
         return selected
 
 
