@@ -114,7 +114,6 @@ class Profiler:
         self.compress: list[tuple[int, float]] = []
         self.launches: list[float] = []
         self._last_ready: float | None = None
-        self._compress_seconds = 0.0
 
     def begin_backward(self) -> None:
         self._last_ready = time.perf_counter()
@@ -130,20 +129,22 @@ class Profiler:
         self._last_ready = time.perf_counter()
 
     def compressed(self, numel: int, seconds: float) -> None:
+        """One sparse tensor compensated and selected."""
         self.compress.append((numel, seconds))
-        self._compress_seconds += seconds
 
-    def launched(self, seconds: float, compressed_before: float) -> None:
-        """A buffer's launch on the main thread: ``seconds`` less the selections made in it since
-        ``compressed_seconds`` was ``compressed_before`` (the compression line has them: counted
-        in the buffer overhead too, a buffer whose tensors are selected at its launch would pay
-        for its selections twice in the cost cut)."""
-        self.launches.append(seconds - (self._compress_seconds - compressed_before))
+    def compressed_together(self, numels: Sequence[int], seconds: float) -> None:
+        """Sparse tensors compensated and selected in one batch: each is reported its share of the
+        batch's time by size. The cost cut charges every sparse tensor the compression line at its
+        own size, so a batch's tensors together cost what the batch took, not one line intercept each."""
+        total = sum(numels)
+        for numel in numels:
+            self.compressed(numel, seconds * numel / max(1, total))
 
-    @property
-    def compressed_seconds(self) -> float:
-        """The selections' time so far."""
-        return self._compress_seconds
+    def launched(self, seconds: float, compress_seconds: float = 0.0) -> None:
+        """A buffer's launch on the main thread, less the ``compress_seconds`` of the compression
+        made in it: the compression line has those, and counted in the buffer overhead too, a buffer
+        whose tensors are compressed at its launch would pay for them twice in the cost cut."""
+        self.launches.append(seconds - compress_seconds)
 
     def local_vector(self, job_cpu_seconds: float = 0.0) -> list[float]:
         """Median backward time per tensor, the compression line's intercept and slope, then the

@@ -18,7 +18,6 @@ and topk at density d sends k = max(1, floor(d * n)) elements of an n-element te
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -33,11 +32,11 @@ from ssfusion_lightning.costmodel import (
     line_through,
     probe_elements,
 )
-from ssfusion_lightning.fusion import FUSION_POLICIES, CompressContext, ErrorFeedback, PlanContext
+from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
 from ssfusion_lightning.fusion.adaptive import adaptive_boundaries
 from ssfusion_lightning.fusion.partial import sparse_decisions
 from ssfusion_lightning.fusion.selective import choose_threshold
-from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
+from ssfusion_lightning.sparsifiers import build_sparsifier
 from ssfusion_lightning.vocabulary import ParamSpec
 
 US = 1e-6
@@ -348,31 +347,25 @@ def test_the_compression_line_keeps_the_selections_cost_when_a_rank_waits_for_it
     assert fit_per_size_medians([]) == (0.0, 0.0)
 
 
-def test_a_buffers_launch_overhead_leaves_out_the_selections_made_in_it():
-    # a launch that selected its buffer's tensors (4 ms of its 5 ms) costs the buffer 1 ms: the
+def test_a_buffers_launch_overhead_leaves_out_the_compression_made_in_it():
+    # a launch that compressed its buffer's tensors (4 ms of its 5 ms) costs the buffer 1 ms: the
     # compression line already charges the 4 ms to the tensors
     profiler = Profiler(["w"])
-    profiler.compressed(1_000, 0.5e-3)  # a selection in a hook, before the launch
-    before = profiler.compressed_seconds
-    profiler.compressed(30_000, 3e-3)
-    profiler.compressed(10_000, 1e-3)
-    profiler.launched(5e-3, before)
+    profiler.compressed_together([30_000, 10_000], 4e-3)
+    profiler.launched(5e-3, 4e-3)
     assert profiler.launches == [pytest.approx(1e-3)]
     assert profiler.local_vector()[-1] == pytest.approx(1e-3)
 
 
-def test_a_batched_selection_reports_each_tensor_its_share_of_the_batchs_time():
-    reported = []
-    ctx = CompressContext(build_sparsifier("topk", density=0.1), ErrorFeedback(build_memory("residual")), 1.0,
-                          on_selected=lambda numel, seconds: reported.append((numel, seconds)))
-    tensors = [torch.randn(n) for n in (100, 300, 600)]
-    started = time.perf_counter()
-    ctx.select_many(tensors, ["a", "b", "c"], [10, 30, 60])
-    elapsed = time.perf_counter() - started
-    assert [numel for numel, _ in reported] == [100, 300, 600]
-    shares = [seconds for _, seconds in reported]
-    assert 0 < sum(shares) <= elapsed
-    assert shares[1] == pytest.approx(3 * shares[0]) and shares[2] == pytest.approx(6 * shares[0])
+def test_a_batch_reports_each_tensor_its_share_of_the_batchs_time():
+    # three tensors compressed together in 10 ms: the line through the shares charges them 10 ms
+    # together, with no intercept per tensor
+    profiler = Profiler(["w"])
+    for _ in range(3):
+        profiler.compressed_together([100, 300, 600], 10e-3)
+    assert profiler.compress[:3] == [(100, pytest.approx(1e-3)), (300, pytest.approx(3e-3)), (600, pytest.approx(6e-3))]
+    fixed, per_element = profiler.local_vector()[1:3]
+    assert fixed == pytest.approx(0.0, abs=1e-12) and per_element * 1000 == pytest.approx(10e-3)
 
 
 def test_a_line_never_goes_negative():

@@ -390,9 +390,9 @@ class FusionEngine:
         current = self._round
         while current.next < len(current.buffers) and current.missing[current.next] == 0:
             if self.profiling:
-                started, compressed = time.perf_counter(), self._profiler.compressed_seconds
+                started, compressed = time.perf_counter(), self.metrics.compress_seconds
                 self._launch(current.buffers[current.next])
-                self._profiler.launched(time.perf_counter() - started, compressed)
+                self._profiler.launched(time.perf_counter() - started, self.metrics.compress_seconds - compressed)
                 self._profiler.resume()  # the launch is not backward time
             else:
                 self._launch(current.buffers[current.next])
@@ -423,9 +423,8 @@ class FusionEngine:
             # selection may move thresholds: restore them if this round is dropped as non-finite
             self._round.sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
             self._round.feedback.loss_scale = self._current_loss_scale()
-        on_selected = self._profiler.compressed if self.profiling else None
         like = self.params[buffer.slots[0].param]
-        return CompressContext(self.sparsifier, self._round.feedback, 1.0 / self.world_size, on_selected, like.dtype, like.device)
+        return CompressContext(self.sparsifier, self._round.feedback, 1.0 / self.world_size, like.dtype, like.device)
 
     def _compress_slot(self, buffer: Buffer, j: int) -> None:
         """Sparsification ahead of fusion: one tensor, as soon as its gradient is ready, here or on
@@ -446,6 +445,8 @@ class FusionEngine:
         with self.timeline.span("select", self._slot_of[slot.param][0], slot.name):
             piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
         elapsed = time.perf_counter() - started
+        if self.profiling and slot.sparse and grad is not None:
+            self._profiler.compressed(slot.numel, elapsed)
         if offloaded:
             self.metrics.offloaded_compress_seconds += elapsed
         else:
@@ -507,7 +508,10 @@ class FusionEngine:
         with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
             for (j, _), piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
                 pieces[j] = piece
-        self.metrics.compress_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        if self.profiling:
+            self._profiler.compressed_together([slot.numel for slot in slots], elapsed)
+        self.metrics.compress_seconds += elapsed
 
     def _pack_and_launch(self, buffer: Buffer):
         """Runs after every piece of the buffer: the worker is FIFO, so offloaded pieces are done."""
@@ -570,7 +574,10 @@ class FusionEngine:
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index):
             encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context(buffer))
-        self.metrics.compress_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        if self.profiling:
+            self._profiler.compressed_together([slot.numel for slot in buffer.sparse_slots], elapsed)
+        self.metrics.compress_seconds += elapsed
         return self._finish_encoding(buffer, encoded)
 
     def _compress_and_launch(self, buffer: Buffer, grads: list[Tensor | None]):
