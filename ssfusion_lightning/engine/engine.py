@@ -91,8 +91,8 @@ BATCH_BELOW = 1 << 16
 #: its size. There the hook runs on the core the backward runs on, so its work hides nothing, and
 #: between two layers' backward kernels each selection starts with cold caches: gpt2's 147K-element
 #: tensors took 0.75 ms a selection in their hooks against 0.27 ms one after another, and its
-#: step's compression fell from 9.3 to 5.2 ms batched (experiments/REPORT.md, "Selection at the
-#: buffer's launch on the host"). A buffer still launches no later: its last tensor's hook is
+#: step's compression fell from 9.9 to 7.2 ms batched at P = 2 (experiments/REPORT.md, "Selection
+#: at the buffer's launch on the host"). A buffer still launches no later: its last tensor's hook is
 #: where both ways finish its selections, and the batch finishes them sooner.
 HOST_BATCHES_ALL = True
 #: ``offload="auto"`` offloads nothing when more than this share of a worker thread's CPU work
