@@ -332,7 +332,7 @@ def plan_summary(engine: Any) -> dict[str, Any]:
                 "selection_spread": costs.selection_spread,
                 "dense_measured_faster": costs.dense_measured_faster,
             },
-            # comm="auto"'s dense trial: its phase and the agreed median steps it measured
+            # comm="auto"'s plan trial: its phase and the agreed median steps it measured
             "dense_trial": engine.dense_trial,
         }
     except AttributeError:  # a changed engine API: the plan is only informative

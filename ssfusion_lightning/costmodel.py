@@ -44,9 +44,12 @@ class CostProfile:
     #: 0 with a free core beside the backward, 1 with one core per rank, where an offloaded
     #: selection or a channel thread's collective is taken from the backward
     serial_cpu: float = 0.0
-    #: the dense trial measured whole dense steps at most as long as sparse ones (``engine/trial.py``):
+    #: the plan trial measured whole dense steps at most as long as sparse ones (``engine/trial.py``):
     #: comm=auto's fallback then sends every buffer dense
     dense_measured_faster: bool = False
+    #: the trial measured the cost cut's tensors in one buffer at most as slow as the cut's buffers:
+    #: the auto cut then makes one buffer (per dtype)
+    fused_measured_faster: bool = False
 
     def compress_seconds(self, numel: int) -> float:
         return self.compress_fixed + self.compress_per_element * numel
@@ -129,11 +132,22 @@ class Profiler:
         self._last_ready = time.perf_counter()
 
     def compressed(self, numel: int, seconds: float) -> None:
+        """One sparse tensor compensated and selected."""
         self.compress.append((numel, seconds))
 
-    def launched(self, seconds: float) -> None:
-        """A buffer's pack and launch on the main thread."""
-        self.launches.append(seconds)
+    def compressed_together(self, numels: Sequence[int], seconds: float) -> None:
+        """Sparse tensors compensated and selected in one batch: each is reported its share of the
+        batch's time by size. The cost cut charges every sparse tensor the compression line at its
+        own size, so a batch's tensors together cost what the batch took, not one line intercept each."""
+        total = sum(numels)
+        for numel in numels:
+            self.compressed(numel, seconds * numel / max(1, total))
+
+    def launched(self, seconds: float, compress_seconds: float = 0.0) -> None:
+        """A buffer's launch on the main thread, less the ``compress_seconds`` of the compression
+        made in it: the compression line has those, and counted in the buffer overhead too, a buffer
+        whose tensors are compressed at its launch would pay for them twice in the cost cut."""
+        self.launches.append(seconds - compress_seconds)
 
     def local_vector(self, job_cpu_seconds: float = 0.0) -> list[float]:
         """Median backward time per tensor, the compression line's intercept and slope, then the

@@ -173,6 +173,18 @@ def test_first_cap_is_kept_by_the_cost_cut():
     assert sum(spec.nbytes for _, spec in groups[0]) <= 3 * 4096 * 4
 
 
+def test_a_trial_that_measured_one_buffer_faster_makes_one_buffer_per_dtype():
+    """The cut that would make several buffers (above) makes one per dtype run, first cap kept."""
+    params = specs([1 << 20] * 6 + [1 << 18] * 2, [torch.float32] * 6 + [torch.float16] * 2)
+    costs = costs_for(params, backward=10e-3, alpha=1e-4, beta=2e-7)
+    assert len(cut_buffers(params, None, None, costs, *SPARSE)) > 2
+    fused = dataclasses.replace(costs, fused_measured_faster=True)
+    assert cut_buffers(params, None, None, fused, *SPARSE) == [params[:6], params[6:]]
+    first = 2 * (1 << 20) * 4
+    assert cut_buffers(params, None, first, fused, *SPARSE) == [params[:2], params[2:6], params[6:]]
+    assert cut_buffers(params, 2e6, None, fused, *SPARSE) == cut_by_bytes(params, 2e6)  # a cap is the user's
+
+
 def test_auto_is_ddp_layout_without_costs_and_for_dense():
     params = specs([300_000] * 30)
     ddp = cut_by_bytes(params, DDP_BUFFER_BYTES, DDP_FIRST_BUFFER_BYTES)

@@ -94,8 +94,9 @@ class AutoCommunicator(Communicator):
     (see the module doc), when allreduce (flat or hierarchical) is a candidate; False keeps every
     planned selection.
     ``dense_trial_steps``: with the fallback, once the costs are measured, time this many steps of
-    the sparse plan and, where the link leaves dense a chance, as many sent dense, and keep the
-    faster (``engine/trial.py``); 0 leaves the choice to the model alone.
+    the sparse plan, as many with the auto cut's tensors in one buffer (where it made several) and,
+    where the link leaves dense a chance, as many sent dense, and keep the fastest
+    (``engine/trial.py``); 0 leaves the choice to the model alone.
     """
 
     name = "auto"

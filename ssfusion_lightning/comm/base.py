@@ -76,7 +76,7 @@ class Communicator(ABC):
     sums_dense: ClassVar[bool] = False
     #: the sparse part is summed exactly (Ok-Topk keeps about k entries of the sum instead)
     exact: ClassVar[bool] = True
-    #: steps per phase of the engine's measured dense trial (``engine/trial.py``); 0: none
+    #: steps per phase of the engine's measured plan trial (``engine/trial.py``); 0: none
     dense_trial_steps: int = 0
 
     def __init__(self, **options: Any) -> None:

@@ -3,11 +3,12 @@
 Free of Lightning: the strategy creates it with the model's parameters and its own channels,
 calls ``finish`` after every backward and toggles ``sync_enabled`` for gradient accumulation.
 
-In the hook of each parameter, as its gradient becomes ready, a per-tensor policy compensates
-and selects that tensor right away, on this thread or on the offload worker as the plan decided:
-compression hides behind the rest of the backward. When a buffer is complete and every earlier one
-has launched, its small sparse tensors (below ``BATCH_BELOW`` elements, whose selection costs
-mostly its fixed overhead) are selected together in one batched call, and its dense tensors are
+In the hook of each parameter, as its gradient becomes ready, a per-tensor policy hands that
+tensor to the offload worker when the plan offloads it, and on a GPU compensates and selects a
+large one right away: compression hides behind the rest of the backward. When a buffer is complete
+and every earlier one has launched, its other sparse tensors (on a GPU those below ``BATCH_BELOW``
+elements, whose selection costs mostly its fixed overhead; on the host all of them: see
+``HOST_BATCHES_ALL``) are selected together in one batched call, and its dense tensors are
 copied into the dense part and scaled, a few tensor ops for all of them (a copy costs no more
 then than in the hook, and one call per tensor cost more CPU than DDP's bucket copy); then its
 pieces are packed in slot order and launched. Whole-buffer policies (``behind``) compress the
@@ -46,7 +47,8 @@ from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradie
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
 from ssfusion_lightning.engine.round import Round
-from ssfusion_lightning.engine.trial import SPARSE, DenseTrial
+from ssfusion_lightning.engine.trial import DENSE as DENSE_PHASE
+from ssfusion_lightning.engine.trial import FUSED, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.fusion.cut import recut_dense_runs
@@ -84,8 +86,16 @@ class EngineConfig:
 NONFINITE_POLICIES = ("raise", "skip")
 #: sparse tensors below this many elements are selected together when their buffer is complete
 #: (one batched selection, ``Sparsifier.select_many``): a selection's fixed cost dominates theirs,
-#: while a larger tensor's selection pays for itself in its hook, hidden behind the backward
+#: while a larger tensor's selection on a GPU pays for itself in its hook, hidden behind the backward
 BATCH_BELOW = 1 << 16
+#: on the host, every sparse tensor the main thread selects waits for its buffer's batch, whatever
+#: its size. There the hook runs on the core the backward runs on, so its work hides nothing, and
+#: between two layers' backward kernels each selection starts with cold caches: gpt2's 147K-element
+#: tensors took 0.75 ms a selection in their hooks against 0.27 ms one after another, and its
+#: step's compression fell from 9.9 to 7.2 ms batched at P = 2 (experiments/REPORT.md, "Selection
+#: at the buffer's launch on the host"). A buffer still launches no later: its last tensor's hook is
+#: where both ways finish its selections, and the batch finishes them sooner.
+HOST_BATCHES_ALL = True
 #: ``offload="auto"`` offloads nothing when more than this share of a worker thread's CPU work
 #: delays the main thread (a rank with one core: measured 35 ms more per step on resnet18 at P = 2)
 SERIAL_OFFLOAD_LIMIT = 0.5
@@ -227,7 +237,7 @@ class FusionEngine:
         self._profile_end = self._profile_start + config.profile_steps if needs_profile else 0
         self._profiler = Profiler(self.names) if needs_profile else None
         trial_steps = communicator.dense_trial_steps if self.world_size > 1 and not sparsifier.is_dense else 0
-        self._trial = DenseTrial(trial_steps) if trial_steps and needs_profile else None
+        self._trial = PlanTrial(trial_steps) if trial_steps and needs_profile else None
         self._step_mark: float | None = None  # where the last round's bookkeeping ended: step times
         self.target_density = sparsifier.density
         self._apply_density_schedule()
@@ -381,9 +391,9 @@ class FusionEngine:
         current = self._round
         while current.next < len(current.buffers) and current.missing[current.next] == 0:
             if self.profiling:
-                started = time.perf_counter()
+                started, compressed = time.perf_counter(), self.metrics.compress_seconds
                 self._launch(current.buffers[current.next])
-                self._profiler.launched(time.perf_counter() - started)
+                self._profiler.launched(time.perf_counter() - started, self.metrics.compress_seconds - compressed)
                 self._profiler.resume()  # the launch is not backward time
             else:
                 self._launch(current.buffers[current.next])
@@ -414,9 +424,8 @@ class FusionEngine:
             # selection may move thresholds: restore them if this round is dropped as non-finite
             self._round.sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
             self._round.feedback.loss_scale = self._current_loss_scale()
-        on_selected = self._profiler.compressed if self.profiling else None
         like = self.params[buffer.slots[0].param]
-        return CompressContext(self.sparsifier, self._round.feedback, 1.0 / self.world_size, on_selected, like.dtype, like.device)
+        return CompressContext(self.sparsifier, self._round.feedback, 1.0 / self.world_size, like.dtype, like.device)
 
     def _compress_slot(self, buffer: Buffer, j: int) -> None:
         """Sparsification ahead of fusion: one tensor, as soon as its gradient is ready, here or on
@@ -437,6 +446,8 @@ class FusionEngine:
         with self.timeline.span("select", self._slot_of[slot.param][0], slot.name):
             piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
         elapsed = time.perf_counter() - started
+        if self.profiling and slot.sparse and grad is not None:
+            self._profiler.compressed(slot.numel, elapsed)
         if offloaded:
             self.metrics.offloaded_compress_seconds += elapsed
         else:
@@ -457,8 +468,13 @@ class FusionEngine:
 
     def _batched(self, slot: Slot) -> bool:
         """Whether a tensor waits for its buffer's batched work instead of its own in the hook: a
-        dense one, or a small sparse one that is not offloaded."""
-        return not slot.sparse or (slot.numel < BATCH_BELOW and slot.param not in self._offloaded)
+        dense one, or a sparse one that is not offloaded and is small or on the host."""
+        if not slot.sparse:
+            return True
+        if slot.param in self._offloaded:
+            return False
+        on_host = self.params[slot.param].device.type == "cpu"
+        return slot.numel < BATCH_BELOW or (HOST_BATCHES_ALL and on_host)
 
     def _compress_rest(self, buffer: Buffer) -> None:
         """The buffer's pieces not made in the hooks: its dense tensors, copied in together, its
@@ -493,7 +509,10 @@ class FusionEngine:
         with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
             for (j, _), piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
                 pieces[j] = piece
-        self.metrics.compress_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        if self.profiling:
+            self._profiler.compressed_together([slot.numel for slot in slots], elapsed)
+        self.metrics.compress_seconds += elapsed
 
     def _pack_and_launch(self, buffer: Buffer):
         """Runs after every piece of the buffer: the worker is FIFO, so offloaded pieces are done."""
@@ -556,7 +575,10 @@ class FusionEngine:
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index):
             encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context(buffer))
-        self.metrics.compress_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        if self.profiling:
+            self._profiler.compressed_together([slot.numel for slot in buffer.sparse_slots], elapsed)
+        self.metrics.compress_seconds += elapsed
         return self._finish_encoding(buffer, encoded)
 
     def _compress_and_launch(self, buffer: Buffer, grads: list[Tensor | None]):
@@ -662,7 +684,7 @@ class FusionEngine:
     def _next_round(self, agreement: Agreement) -> None:
         """A new round, on a new plan where one is due: from rank 0's gradient-ready order (after
         the first round), from the agreed costs (once the profiled rounds are over), at the
-        density the schedule asks for, or where the dense trial switches plans."""
+        density the schedule asks for, or where the plan trial switches plans."""
         elapsed = None if self._step_mark is None else time.perf_counter() - self._step_mark
         density_changed = self._apply_density_schedule()
         ready_order = agreement.ready_order()
@@ -682,45 +704,51 @@ class FusionEngine:
             self._new_round()
         self._step_mark = time.perf_counter()
 
-    # ---------------------------------------------------------------- the dense trial
+    # ---------------------------------------------------------------- the plan trial
     @property
     def dense_trial(self) -> dict[str, Any] | None:
-        """The dense trial's phase and agreed median steps (None without a trial)."""
+        """The plan trial's phase and agreed median steps (None without a trial)."""
         return None if self._trial is None else self._trial.state_dict()
 
     def _trial_running(self) -> bool:
         """The step that just ended ran on the plan of the agreed costs at the target density, and
-        that plan sparsifies something (or is the trial's dense one)."""
+        that plan sparsifies something (or is one the trial switched to)."""
         return (
             self._trial is not None and self._trial.active and self.costs is not None
             and self.step > self._profile_end and self.sparsifier.density == self.target_density
-            and (self.costs.dense_measured_faster or any(buffer.sparse_slots for buffer in self.plan.buffers))
+            and (self._trial.phase != SPARSE or any(buffer.sparse_slots for buffer in self.plan.buffers))
         )
 
     def _trial_step(self, seconds: float) -> None:
         trial = self._trial
         if not trial.record(seconds):
             self._new_round()
-        elif trial.phase == SPARSE:
-            if trial.end_sparse(self._agreed_max, self._dense_floor()):
-                self._send_all_dense(True)
-            else:
-                self._new_round()
+            return
+        if trial.phase == SPARSE:
+            entered = trial.end_sparse(self._agreed_max, self._fusable(), self._dense_floor())
+        elif trial.phase == FUSED:
+            entered = trial.end_fused(self._agreed_max, self._dense_floor())
         else:
-            keep = trial.end_dense(self._agreed_max)
-            if dist.get_rank() == 0:  # a trial runs only between ranks
-                log.info(
-                    "ssfusion: dense trial: %.3g ms a step dense, %.3g ms sparse -> %s",
-                    1e3 * trial.dense_seconds, 1e3 * trial.sparse_seconds, "dense" if keep else "sparse",
-                )
-            if keep:
-                self._new_round()
-            else:
-                self._send_all_dense(False)
+            trial.end_dense(self._agreed_max)
+            entered = trial.phase
+        if not trial.active and dist.get_rank() == 0:  # a trial runs only between ranks
+            log.info("ssfusion: plan trial: %s", trial.summary())
+        self._replan_for_trial(
+            fused=entered == FUSED or trial.fused_kept, dense=entered == DENSE_PHASE or trial.dense_kept
+        )
 
-    def _send_all_dense(self, dense: bool) -> None:
-        """Re-plan with the communicator's fallback sending every buffer dense (or not)."""
-        self.costs = replace(self.costs, dense_measured_faster=dense)
+    def _fusable(self) -> bool:
+        """The costs' plan has more buffers than its one-buffer version (the auto cut made several)."""
+        fused = self._build_plan(self.order, replace(self.costs, fused_measured_faster=True))
+        return len(fused.buffers) < len(self._build_plan(self.order, self.costs).buffers)
+
+    def _replan_for_trial(self, fused: bool, dense: bool) -> None:
+        """Re-plan where the trial's next phase or its outcome asks for one buffer or for every
+        buffer sent dense (comm=auto's fallback); else the round goes on with the current plan."""
+        if (fused, dense) == (self.costs.fused_measured_faster, self.costs.dense_measured_faster):
+            self._new_round()
+            return
+        self.costs = replace(self.costs, fused_measured_faster=fused, dense_measured_faster=dense)
         self.set_plan(self._build_plan(self.order, self.costs))
 
     def _dense_floor(self) -> float:

@@ -1,22 +1,31 @@
-"""The measured dense fallback: time the sparse plan's steps, then the same model sent dense, and
-keep the faster (``comm="auto"``'s ``dense_trial_steps``).
+"""The measured plan check: time the sparse plan's steps, then the same plan in one buffer, then
+the same model sent dense, and keep the fastest (``comm="auto"``'s ``dense_trial_steps``).
 
-Why: comm=auto's modelled fallback compares, buffer by buffer, the selection's measured line plus
-the sparse collective against a dense all-reduce of the buffer. It leaves out the rest of what a
-sparse step costs (error feedback, packing, the hooks' work and threads on a rank's cores) and that
-DDP-style dense buckets overlap the backward. On a fast link that model kept every plan sparse
-while every sparse preset ran slower than DDP (P = 4 on 2 cores at 1 Gbit/s, digits CNN: 49-72 ms
-a step against DDP's 46). The trial measures what the user pays, the step:
+Why a dense phase: comm=auto's modelled fallback compares, buffer by buffer, the selection's
+measured line plus the sparse collective against a dense all-reduce of the buffer. It leaves out
+the rest of what a sparse step costs (error feedback, packing, the hooks' work and threads on a
+rank's cores) and that DDP-style dense buckets overlap the backward. On a fast link that model kept
+every plan sparse while every sparse preset ran slower than DDP (P = 4 on 2 cores at 1 Gbit/s,
+digits CNN: 49-72 ms a step against DDP's 46).
+
+Why a one-buffer phase: the cost cut charges each buffer its measured launch overhead, but not what
+one more collective round costs where ranks share cores: every round waits for a descheduled rank.
+The digits CNN at P = 4 on 2 cores ran 64-82 ms a step on 2 buffers and 52-63 on 1 (experiments/
+REPORT.md, "Selection at the buffer's launch on the host"). The trial measures what the user pays,
+the step:
 
 1. ``sparse``: ``steps`` step times on the plan the costs made (at the target density), after
    one step left out: the first step on a new plan also pays for the switch (new buffers, the
-   error feedback a dense step flushes), which is not what the plan costs a step;
-2. the ranks agree on their median (max over ranks). If the modelled dense all-reduce of the
-   whole model already takes that long, dense cannot be faster: the trial ends there, with no
-   dense step taken (slow links: no cost);
-3. ``dense``: as many step times with every buffer sent dense (DDP's buckets), after one step left
-   out likewise, agreed likewise;
-4. ``done``: dense stays where its median is at most the sparse one, else the sparse plan returns.
+   error feedback a dense step flushes), which is not what the plan costs a step; the ranks agree
+   on their median (max over ranks);
+2. ``fused``: where the auto cut made several buffers, as many step times with the cut's tensors
+   in one buffer, agreed likewise; one buffer stays where its median is at most the cut's;
+3. if the modelled dense all-reduce of the whole model already takes as long as the better sparse
+   plan's step, dense cannot be faster: the trial ends there, with no dense step taken (slow
+   links: no cost). Else ``dense``: as many step times with every buffer sent dense (DDP's
+   buckets), agreed likewise;
+4. ``done``: dense stays where its median is at most the better sparse one's, else that sparse
+   plan returns.
 
 Every decision is made from agreed numbers at step counts every rank shares, so every rank
 switches plans at the same step.
@@ -28,55 +37,90 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-SPARSE, DENSE, DONE = "sparse", "dense", "done"
+SPARSE, FUSED, DENSE, DONE = "sparse", "fused", "dense", "done"
 
 
 @dataclass
-class DenseTrial:
-    """The trial's state machine; the engine feeds it step times and acts on what it returns."""
+class PlanTrial:
+    """The trial's state machine; the engine feeds it step times and acts on the phase it enters."""
 
     steps: int
     phase: str = SPARSE
     #: this phase's step times on this rank, its first step's included (not saved: a resumed
     #: phase measures again)
     samples: list[float] = field(default_factory=list)
-    #: the agreed median step of the sparse plan, once measured
+    #: the agreed median step of the cost cut's sparse plan, once measured
     sparse_seconds: float | None = None
+    #: the agreed median step of the same sparse plan in one buffer (None: not measured)
+    fused_seconds: float | None = None
     dense_seconds: float | None = None
 
     @property
     def active(self) -> bool:
         return self.phase != DONE
 
+    @property
+    def fused_kept(self) -> bool:
+        """One buffer measured no slower than the cut (a tie goes to fewer buffers, as in the cut)."""
+        return self.fused_seconds is not None and self.fused_seconds <= self.sparse_seconds
+
+    @property
+    def best_sparse_seconds(self) -> float | None:
+        return self.fused_seconds if self.fused_kept else self.sparse_seconds
+
+    @property
+    def dense_kept(self) -> bool:
+        return self.dense_seconds is not None and self.dense_seconds <= self.best_sparse_seconds
+
     def record(self, seconds: float) -> bool:
         """One step's time in the current phase; True when the phase has all its steps."""
         self.samples.append(seconds)
         return len(self.samples) > self.steps
 
-    def _median(self) -> float:
-        return statistics.median(self.samples[1:])
-
-    def end_sparse(self, agree: Callable[[float], float], dense_floor: float) -> bool:
-        """Close the sparse phase on the agreed median; True when the dense phase should run
-        (``dense_floor``: the modelled dense all-reduce of the whole model, a lower bound of a
-        dense step)."""
-        self.sparse_seconds = agree(self._median())
+    def _agreed_median(self, agree: Callable[[float], float]) -> float:
+        median = agree(statistics.median(self.samples[1:]))
         self.samples = []
-        self.phase = DENSE if dense_floor < self.sparse_seconds else DONE
-        return self.phase == DENSE
+        return median
+
+    def _after_sparse(self, dense_floor: float) -> str:
+        return DENSE if dense_floor < self.best_sparse_seconds else DONE
+
+    def end_sparse(self, agree: Callable[[float], float], fusable: bool, dense_floor: float) -> str:
+        """Close the sparse phase on the agreed median; returns the phase entered: ``fused`` where
+        the plan has buffers to fuse (``fusable``), else as ``end_fused`` (``dense_floor``: the
+        modelled dense all-reduce of the whole model, a lower bound of a dense step)."""
+        self.sparse_seconds = self._agreed_median(agree)
+        self.phase = FUSED if fusable else self._after_sparse(dense_floor)
+        return self.phase
+
+    def end_fused(self, agree: Callable[[float], float], dense_floor: float) -> str:
+        """Close the one-buffer phase on the agreed median; returns the phase entered (``dense`` or ``done``)."""
+        self.fused_seconds = self._agreed_median(agree)
+        self.phase = self._after_sparse(dense_floor)
+        return self.phase
 
     def end_dense(self, agree: Callable[[float], float]) -> bool:
         """Close the dense phase on the agreed median; True when dense is kept."""
-        self.dense_seconds = agree(self._median())
-        self.samples = []
+        self.dense_seconds = self._agreed_median(agree)
         self.phase = DONE
-        return self.dense_seconds <= self.sparse_seconds
+        return self.dense_kept
+
+    def summary(self) -> str:
+        """The measured medians and the kept plan, for the log."""
+        measured = [("sparse", self.sparse_seconds), ("one buffer", self.fused_seconds), ("dense", self.dense_seconds)]
+        medians = ", ".join(f"{name} {1e3 * seconds:.3g} ms" for name, seconds in measured if seconds is not None)
+        kept = "dense" if self.dense_kept else "one buffer" if self.fused_kept else "sparse"
+        return f"{medians} a step -> {kept}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase, "sparse_seconds": self.sparse_seconds, "dense_seconds": self.dense_seconds}
+        return {
+            "phase": self.phase, "sparse_seconds": self.sparse_seconds, "fused_seconds": self.fused_seconds,
+            "dense_seconds": self.dense_seconds,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.phase = state["phase"]
         self.sparse_seconds = state["sparse_seconds"]
+        self.fused_seconds = state.get("fused_seconds")  # absent in checkpoints written before the fused phase
         self.dense_seconds = state["dense_seconds"]
         self.samples = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
@@ -85,28 +84,16 @@ class CompressContext:
     sparsifier: Sparsifier
     feedback: ErrorFeedback
     scale: float  # 1 / world size, applied while packing as DDP does
-    #: called with (numel, seconds) for every selection while the engine profiles
-    on_selected: Callable[[int, float], None] | None = None
     #: dtype and device of the buffer's gradients (the zeros an idle parameter sends)
     dtype: torch.dtype = torch.float32
     device: torch.device | None = None
 
     def select(self, compensated: Tensor, key: str, k: int) -> tuple[Tensor, Tensor]:
-        if self.on_selected is None:
-            return self.sparsifier.select(compensated, key=key, k=k)
-        started = time.perf_counter()
-        selected = self.sparsifier.select(compensated, key=key, k=k)
-        self.on_selected(compensated.numel(), time.perf_counter() - started)
-        return selected
+        return self.sparsifier.select(compensated, key=key, k=k)
 
     def select_many(self, compensated: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
         """Several tensors in one batched selection (each exactly as ``select`` would choose)."""
-        if self.on_selected is None:
-            return self.sparsifier.select_many(compensated, keys, ks)
-        started = time.perf_counter()
-        selected = self.sparsifier.select_many(compensated, keys, ks)
-        self.on_selected(sum(c.numel() for c in compensated), time.perf_counter() - started)
-        return selected
+        return self.sparsifier.select_many(compensated, keys, ks)
 
 
 @dataclass

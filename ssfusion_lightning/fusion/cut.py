@@ -2,8 +2,9 @@
 finishes the round's communication earliest.
 
 The cost cut is a dynamic program over the tensors in backward order. Tensor i is ready to launch
-at ``R_i``: the backward up to it plus the compression of every sparse tensor up to it (the main
-thread does both, per tensor in the hook or per buffer at its launch: the same sum either way).
+at ``R_i``: the backward up to it plus the compression (compensation and selection) of every
+sparse tensor up to it (the main thread does both, per tensor in the hook or per buffer at its
+launch: the same sum either way, as a batch's time is profiled as each tensor's share of it).
 A buffer (a, b] starts its communication when its last tensor is ready and the link has finished
 the previous buffer, and takes the alpha-beta time of the allgather collectives on it (the sparse
 all-gather of k (value, position) pairs, with a small dense part riding in its message and a larger
@@ -34,6 +35,7 @@ Without costs yet (the profiling rounds), and for a dense sparsifier, "auto" is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from itertools import groupby
 from typing import Callable, Sequence
@@ -61,11 +63,14 @@ def cut_buffers(
     k_of: Callable[[ParamSpec], int],
 ) -> list[list[Item]]:
     """The plan's groups: ``cap_bytes`` given: greedy byte caps; None ("auto"): the cost cut when
-    agreed costs exist and some tensor is sparse, else DDP's layout."""
+    agreed costs exist and some tensor is sparse (one buffer where the plan trial measured that
+    faster), else DDP's layout."""
     if cap_bytes is not None:
         return cut_by_bytes(params, cap_bytes, first_cap_bytes)
     if costs is None or not costs.measured or not any(sparse_of(spec) for _, spec in params):
         return cut_by_bytes(params, *dense_caps(None, first_cap_bytes))
+    if costs.fused_measured_faster:
+        return cut_by_bytes(params, math.inf, first_cap_bytes)
     return cut_by_cost(params, costs, sparse_of, k_of, first_cap_bytes)
 
 

@@ -1,4 +1,4 @@
-"""The measured dense fallback (engine/trial.py): the state machine on its own, then training on 2
+"""The measured plan check (engine/trial.py): the state machine on its own, then training on 2
 ranks, where every rank must switch plans at the same step and decide alike."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from ssfusion_lightning.comm import COMMUNICATORS
 from ssfusion_lightning.commcost import Link
 from ssfusion_lightning.engine import engine as engine_module
 from ssfusion_lightning.engine.engine import FusionEngine
-from ssfusion_lightning.engine.trial import DENSE, DONE, DenseTrial
+from ssfusion_lightning.engine.trial import DENSE, DONE, FUSED, SPARSE, PlanTrial
+from ssfusion_lightning.fusion import cut as cut_module
 from tests.workloads import Regressor, checkpoint_and_resume, make_trainer, regression_data
 
 
@@ -24,30 +25,63 @@ def agreed(offset: float):
     return lambda local: local + offset
 
 
+def measured(trial: PlanTrial, *seconds: float) -> PlanTrial:
+    """``trial`` after one phase of step times (the first is left out of the median)."""
+    for i, value in enumerate(seconds):
+        assert trial.record(value) == (i == len(seconds) - 1)
+    return trial
+
+
 def test_dense_runs_only_where_its_all_reduce_leaves_it_a_chance():
-    fast_link, slow_link = DenseTrial(3), DenseTrial(3)
-    for seconds in (0.5, 0.05, 0.07, 0.06):  # the first step on the plan paid for the switch: left out
-        assert fast_link.record(seconds) == (seconds == 0.06) and slow_link.record(seconds) == (seconds == 0.06)
+    fast_link, slow_link = PlanTrial(3), PlanTrial(3)
+    for trial in (fast_link, slow_link):  # the first step on the plan paid for the switch: left out
+        measured(trial, 0.5, 0.05, 0.07, 0.06)
     # the agreed median is 0.06 + 0.01: a dense all-reduce of 0.02 s may beat it, one of 0.07 s cannot
-    assert fast_link.end_sparse(agreed(0.01), dense_floor=0.02) and fast_link.phase == DENSE
-    assert not slow_link.end_sparse(agreed(0.01), dense_floor=0.07) and slow_link.phase == DONE
+    assert fast_link.end_sparse(agreed(0.01), fusable=False, dense_floor=0.02) == DENSE == fast_link.phase
+    assert slow_link.end_sparse(agreed(0.01), fusable=False, dense_floor=0.07) == DONE == slow_link.phase
     assert fast_link.sparse_seconds == slow_link.sparse_seconds == pytest.approx(0.07)
-    assert fast_link.samples == [] and slow_link.dense_seconds is None
+    assert fast_link.samples == [] and slow_link.dense_seconds is None and slow_link.fused_seconds is None
 
 
 @pytest.mark.parametrize("dense_median, kept", [(0.06, True), (0.07, True), (0.08, False)])
 def test_dense_is_kept_where_its_agreed_median_is_at_most_the_sparse_one(dense_median, kept):
-    trial = DenseTrial(1, phase=DENSE, sparse_seconds=0.07)
-    assert not trial.record(1.0) and trial.record(dense_median - 0.005)
+    trial = measured(PlanTrial(1, phase=DENSE, sparse_seconds=0.07), 1.0, dense_median - 0.005)
     assert trial.end_dense(agreed(0.005)) == kept  # a tie keeps dense: it loses no accuracy
     assert trial.phase == DONE and not trial.active and trial.dense_seconds == pytest.approx(dense_median)
 
 
+def test_a_fusable_plan_measures_one_buffer_before_dense():
+    trial = measured(PlanTrial(2), 1.0, 0.07, 0.07)
+    assert trial.end_sparse(agreed(0.0), fusable=True, dense_floor=0.0) == FUSED == trial.phase
+    assert trial.fused_seconds is None and trial.samples == []
+
+
+@pytest.mark.parametrize("fused_median, kept", [(0.05, True), (0.07, True), (0.09, False)])
+def test_one_buffer_is_kept_where_its_agreed_median_is_at_most_the_cuts(fused_median, kept):
+    trial = measured(PlanTrial(1, phase=FUSED, sparse_seconds=0.07), 1.0, fused_median)
+    trial.end_fused(agreed(0.0), dense_floor=1.0)
+    assert trial.fused_kept == kept and trial.fused_seconds == pytest.approx(fused_median)
+    assert trial.best_sparse_seconds == pytest.approx(min(fused_median, 0.07))  # a tie goes to one buffer
+
+
+def test_dense_competes_with_the_better_sparse_plan():
+    """The floor and the dense median are held against one buffer's 0.05 s, not the cut's 0.09 s."""
+    ruled_out = measured(PlanTrial(1, phase=FUSED, sparse_seconds=0.09), 1.0, 0.05)
+    assert ruled_out.end_fused(agreed(0.0), dense_floor=0.06) == DONE and not ruled_out.dense_kept
+    trial = measured(PlanTrial(1, phase=FUSED, sparse_seconds=0.09), 1.0, 0.05)
+    assert trial.end_fused(agreed(0.0), dense_floor=0.01) == DENSE
+    assert not measured(trial, 1.0, 0.06).end_dense(agreed(0.0)) and trial.fused_kept
+    assert trial.summary() == "sparse 90 ms, one buffer 50 ms, dense 60 ms a step -> one buffer"
+
+
 def test_a_resumed_trial_measures_its_phase_again():
-    trial = DenseTrial(2, phase=DENSE, samples=[0.1], sparse_seconds=0.07)
-    resumed = DenseTrial(2)
+    trial = PlanTrial(2, phase=DENSE, samples=[0.1], sparse_seconds=0.07, fused_seconds=0.06)
+    resumed = PlanTrial(2)
     resumed.load_state_dict(trial.state_dict())
-    assert (resumed.phase, resumed.sparse_seconds, resumed.samples) == (DENSE, 0.07, [])
+    assert (resumed.phase, resumed.sparse_seconds, resumed.fused_seconds, resumed.samples) == (DENSE, 0.07, 0.06, [])
+    before_fused = {"phase": SPARSE, "sparse_seconds": None, "dense_seconds": None}  # a checkpoint of an older version
+    resumed.load_state_dict(before_fused)
+    assert resumed.fused_seconds is None and resumed.phase == SPARSE
 
 
 def test_dense_trial_steps_is_an_auto_option_that_needs_the_fallback():
@@ -160,3 +194,60 @@ def test_a_resumed_run_keeps_the_trials_outcome(pool2, tmp_path, floor):
     for saved, final, dense, resumed_dense in pool2.run(resume_after_trial, str(tmp_path / "trial.ckpt"), floor):
         assert saved["phase"] == DONE and final == saved
         assert resumed_dense == dense == (floor == 0.0 and saved["dense_seconds"] <= saved["sparse_seconds"])
+
+
+@contextmanager
+def one_buffer_a_tensor_and_scripted_medians(medians: dict[str, float]):
+    """The cost cut puts every tensor in a buffer of its own, so that one buffer is a different
+    plan, and the agreed median of each phase is ``medians[phase]``: the decisions are the test's,
+    the plans, switches and training are the engine's."""
+    original = cut_module.cut_by_cost, FusionEngine._agreed_max
+    cut_module.cut_by_cost = lambda params, *args, **kwargs: [[item] for item in params]
+    FusionEngine._agreed_max = lambda self, value: medians[self._trial.phase]
+    try:
+        yield
+    finally:
+        cut_module.cut_by_cost, FusionEngine._agreed_max = original
+
+
+def train_with_fused_phase(steps: int, fused_median: float) -> dict:
+    """As ``train_with_trial`` with no dense phase (the floor rules it out): the sparse phase times
+    steps 4 to 6, the one-buffer phase 7 to 9."""
+    L.seed_everything(0, verbose=False)
+    model = Regressor(width=256)
+    strategy = ssf.SSFusionStrategy(
+        sparsifier="topk", density=0.01, fusion="ahead", comm="auto", offload="none",
+        comm_options={"dense_trial_steps": 2, "schemes": ["allreduce", "allgather"]},
+    )
+    buffers: dict[int, int] = {}
+
+    class BuffersPerStep(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            buffers[strategy.engine.step] = len(strategy.engine.plan.buffers)
+
+    with slow_allreduce_and_floor(1e9), one_buffer_a_tensor_and_scripted_medians({SPARSE: 0.07, FUSED: fused_median}):
+        make_trainer(strategy, steps, callbacks=[BuffersPerStep()]).fit(model, DataLoader(regression_data(), batch_size=16))
+    state = strategy._final_engine_state
+    return {
+        "trial": state["trial"],
+        "fused_measured_faster": state["costs"]["fused_measured_faster"],
+        "buffers": buffers,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
+
+
+@pytest.mark.parametrize("fused_median, kept", [(0.05, True), (0.09, False)])
+def test_every_rank_measures_one_buffer_and_keeps_the_faster_plan(pool2, fused_median, kept):
+    results = pool2.run(train_with_fused_phase, 12, fused_median)
+    first = results[0]
+    assert first["trial"] == {"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": fused_median, "dense_seconds": None}
+    assert first["fused_measured_faster"] == kept
+    buffers = first["buffers"]
+    cut = buffers[4]
+    assert cut > 1
+    # the cut's plan through the sparse phase, one buffer in the fused phase, then the faster one
+    assert [buffers[step] for step in range(4, 12)] == [cut] * 3 + [1] * 3 + [1 if kept else cut] * 2
+    for rank, result in enumerate(results):
+        assert result["buffers"] == buffers and result["trial"] == first["trial"]
+        for name, value in result["params"].items():
+            assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
