@@ -160,7 +160,9 @@ def run_world(world: int, phases: list[dict[str, Any]], args: argparse.Namespace
 def _progress(out: Path, seen: int, started: float) -> int:
     if not out.exists():
         return seen
-    lines = out.read_text().splitlines()
+    text = out.read_text()
+    # the worker may be writing a line right now: only lines already ended are read
+    lines = text[: text.rfind("\n") + 1].splitlines()
     for line in lines[seen:]:
         run = json.loads(line)
         if "error" in run:
