@@ -132,22 +132,11 @@ class Profiler:
         self._last_ready = time.perf_counter()
 
     def compressed(self, numel: int, seconds: float) -> None:
-        """One sparse tensor compensated and selected."""
         self.compress.append((numel, seconds))
 
-    def compressed_together(self, numels: Sequence[int], seconds: float) -> None:
-        """Sparse tensors compensated and selected in one batch: each is reported its share of the
-        batch's time by size. The cost cut charges every sparse tensor the compression line at its
-        own size, so a batch's tensors together cost what the batch took, not one line intercept each."""
-        total = sum(numels)
-        for numel in numels:
-            self.compressed(numel, seconds * numel / max(1, total))
-
-    def launched(self, seconds: float, compress_seconds: float = 0.0) -> None:
-        """A buffer's launch on the main thread, less the ``compress_seconds`` of the compression
-        made in it: the compression line has those, and counted in the buffer overhead too, a buffer
-        whose tensors are compressed at its launch would pay for them twice in the cost cut."""
-        self.launches.append(seconds - compress_seconds)
+    def launched(self, seconds: float) -> None:
+        """A buffer's pack and launch on the main thread."""
+        self.launches.append(seconds)
 
     def local_vector(self, job_cpu_seconds: float = 0.0) -> list[float]:
         """Median backward time per tensor, the compression line's intercept and slope, then the

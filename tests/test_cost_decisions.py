@@ -347,27 +347,6 @@ def test_the_compression_line_keeps_the_selections_cost_when_a_rank_waits_for_it
     assert fit_per_size_medians([]) == (0.0, 0.0)
 
 
-def test_a_buffers_launch_overhead_leaves_out_the_compression_made_in_it():
-    # a launch that compressed its buffer's tensors (4 ms of its 5 ms) costs the buffer 1 ms: the
-    # compression line already charges the 4 ms to the tensors
-    profiler = Profiler(["w"])
-    profiler.compressed_together([30_000, 10_000], 4e-3)
-    profiler.launched(5e-3, 4e-3)
-    assert profiler.launches == [pytest.approx(1e-3)]
-    assert profiler.local_vector()[-1] == pytest.approx(1e-3)
-
-
-def test_a_batch_reports_each_tensor_its_share_of_the_batchs_time():
-    # three tensors compressed together in 10 ms: the line through the shares charges them 10 ms
-    # together, with no intercept per tensor
-    profiler = Profiler(["w"])
-    for _ in range(3):
-        profiler.compressed_together([100, 300, 600], 10e-3)
-    assert profiler.compress[:3] == [(100, pytest.approx(1e-3)), (300, pytest.approx(3e-3)), (600, pytest.approx(6e-3))]
-    fixed, per_element = profiler.local_vector()[1:3]
-    assert fixed == pytest.approx(0.0, abs=1e-12) and per_element * 1000 == pytest.approx(10e-3)
-
-
 def test_a_line_never_goes_negative():
     assert line_through((1000.0, 5e-3), (10**6, 4e-3)) == (5e-3, 0.0)  # a slower small message: no negative rate
     assert line_through((1000.0, 1e-6), (10**6, 1.0)) == (0.0, pytest.approx(1e-6, rel=2e-3))  # no negative latency

@@ -51,7 +51,7 @@ class TwoBranch(nn.Module):
 
 def make_engine(
     model: nn.Module, fusion: str, sparsifier: str = "topk", density: float = 0.1, comm=None, profile_steps: int = 3,
-    nonfinite: str = "raise", buffer_bytes: float | None = 600,
+    nonfinite: str = "raise",
 ):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return FusionEngine(
@@ -61,7 +61,7 @@ def make_engine(
         FUSION_POLICIES.build(fusion),
         comm or RecordingAllgather(),
         ChannelSet([dist.new_group(backend="gloo"), dist.new_group(backend="gloo")], torch.device("cpu")),
-        EngineConfig(buffer_bytes=buffer_bytes, profile_steps=profile_steps, nonfinite=nonfinite),
+        EngineConfig(buffer_bytes=600, profile_steps=profile_steps, nonfinite=nonfinite),
     )
 
 
@@ -172,8 +172,7 @@ def batched_against_per_tensor(fusion: str, sparsifier: str, steps: int = 6):
 
     results = {}
     for batch_below in (1 << 16, 0):
-        # 0: every tensor in its hook, as a large one on a GPU is (the host batches all by default)
-        engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_ALL = batch_below, batch_below > 0
+        engine_module.BATCH_BELOW = batch_below
         try:
             torch.manual_seed(0)
             model = TwoBranch().double()
@@ -196,7 +195,7 @@ def batched_against_per_tensor(fusion: str, sparsifier: str, steps: int = 6):
             engine.close()
             results[batch_below] = (sent, [p.detach().clone() for p in model.parameters()])
         finally:
-            engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_ALL = 1 << 16, True
+            engine_module.BATCH_BELOW = 1 << 16
     return results
 
 
@@ -208,72 +207,6 @@ def test_batched_selection_in_the_engine_sends_what_per_tensor_selection_sends(p
         for (b1, v1, i1), (b2, v2, i2) in zip(batched_sent, hooked_sent):
             assert b1 == b2 and torch.equal(i1, i2) and torch.equal(v1, v2)
         assert all(torch.equal(a, b) for a, b in zip(batched_params, hooked_params))
-
-
-def where_selected_run(host_batches_all: bool, steps: int = 3):
-    """The details of the last round's select spans, with tensors of 16 elements or more counted
-    as large (the weights of ``TwoBranch``'s branches: 36 elements)."""
-    from ssfusion_lightning.engine import engine as engine_module
-
-    engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_ALL = 16, host_batches_all
-    try:
-        torch.manual_seed(0)
-        model = TwoBranch()
-        engine = make_engine(model, "ahead", density=0.2)
-        engine.timeline.enable()
-        engine.attach()
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            engine.begin_backward()
-            model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
-            engine.finish()
-        engine.close()
-        events = engine.timeline.events()
-        last = max(e.step for e in events)
-        return [e.detail for e in events if e.step == last and e.name == "select"]
-    finally:
-        engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_ALL = 1 << 16, True
-
-
-def test_on_the_host_a_large_tensor_is_selected_in_its_buffers_batch_not_in_its_hook(pool2):
-    """On the host the hook's selection runs on the backward's own core and only costs more (cold
-    caches between layers): every sparse tensor waits for its buffer's batch. With the host rule off
-    (a GPU's: large tensors in their hooks) the branch weights are selected one by one."""
-    for batched, hooked in zip(pool2.run(where_selected_run, True), pool2.run(where_selected_run, False)):
-        assert batched and all(detail.endswith("tensors batched") for detail in batched), batched
-        assert {"a.weight", "b.weight"} <= set(hooked), hooked
-
-
-def profiled_compression_run(host_batches_all: bool, steps: int = 3):
-    """The sizes the cost profiler was told each compression had, and the plan's sparse tensors'
-    sizes (branch weights counted as large, as in ``where_selected_run``)."""
-    from ssfusion_lightning.engine import engine as engine_module
-
-    engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_ALL = 16, host_batches_all
-    try:
-        torch.manual_seed(0)
-        model = TwoBranch()
-        # the auto cut (buffer_bytes None) profiles; 100 rounds keep it profiling
-        engine = make_engine(model, "ahead", density=0.2, profile_steps=100, buffer_bytes=None)
-        engine.attach()
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
-            engine.finish()
-        engine.close()
-        sparse = [slot.numel for buffer in engine.plan.buffers for slot in buffer.sparse_slots]
-        return [numel for numel, _ in engine._profiler.compress], sparse
-    finally:
-        engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_ALL = 1 << 16, True
-
-
-@pytest.mark.parametrize("host_batches_all", [True, False])
-def test_the_profiler_sees_one_compression_per_sparse_tensor_in_a_batch_or_a_hook(pool2, host_batches_all):
-    """The cost cut charges every sparse tensor the compression line at its size: a batch reports
-    each of its tensors, never one sample of their summed size."""
-    for reported, sparse in pool2.run(profiled_compression_run, host_batches_all):
-        assert reported and len(sparse) > 1
-        assert set(reported) <= set(sparse), (reported, sparse)
 
 
 def zeroing_run(set_to_none: bool, steps: int = 4):

@@ -3,12 +3,11 @@
 Free of Lightning: the strategy creates it with the model's parameters and its own channels,
 calls ``finish`` after every backward and toggles ``sync_enabled`` for gradient accumulation.
 
-In the hook of each parameter, as its gradient becomes ready, a per-tensor policy hands that
-tensor to the offload worker when the plan offloads it, and on a GPU compensates and selects a
-large one right away: compression hides behind the rest of the backward. When a buffer is complete
-and every earlier one has launched, its other sparse tensors (on a GPU those below ``BATCH_BELOW``
-elements, whose selection costs mostly its fixed overhead; on the host all of them: see
-``HOST_BATCHES_ALL``) are selected together in one batched call, and its dense tensors are
+In the hook of each parameter, as its gradient becomes ready, a per-tensor policy compensates
+and selects that tensor right away, on this thread or on the offload worker as the plan decided:
+compression hides behind the rest of the backward. When a buffer is complete and every earlier one
+has launched, its small sparse tensors (below ``BATCH_BELOW`` elements, whose selection costs
+mostly its fixed overhead) are selected together in one batched call, and its dense tensors are
 copied into the dense part and scaled, a few tensor ops for all of them (a copy costs no more
 then than in the hook, and one call per tensor cost more CPU than DDP's bucket copy); then its
 pieces are packed in slot order and launched. Whole-buffer policies (``behind``) compress the
@@ -86,16 +85,8 @@ class EngineConfig:
 NONFINITE_POLICIES = ("raise", "skip")
 #: sparse tensors below this many elements are selected together when their buffer is complete
 #: (one batched selection, ``Sparsifier.select_many``): a selection's fixed cost dominates theirs,
-#: while a larger tensor's selection on a GPU pays for itself in its hook, hidden behind the backward
+#: while a larger tensor's selection pays for itself in its hook, hidden behind the backward
 BATCH_BELOW = 1 << 16
-#: on the host, every sparse tensor the main thread selects waits for its buffer's batch, whatever
-#: its size. There the hook runs on the core the backward runs on, so its work hides nothing, and
-#: between two layers' backward kernels each selection starts with cold caches: gpt2's 147K-element
-#: tensors took 0.75 ms a selection in their hooks against 0.27 ms one after another, and its
-#: step's compression fell from 9.9 to 7.2 ms batched at P = 2 (experiments/REPORT.md, "Selection
-#: at the buffer's launch on the host"). A buffer still launches no later: its last tensor's hook is
-#: where both ways finish its selections, and the batch finishes them sooner.
-HOST_BATCHES_ALL = True
 #: ``offload="auto"`` offloads nothing when more than this share of a worker thread's CPU work
 #: delays the main thread (a rank with one core: measured 35 ms more per step on resnet18 at P = 2)
 SERIAL_OFFLOAD_LIMIT = 0.5
@@ -391,9 +382,9 @@ class FusionEngine:
         current = self._round
         while current.next < len(current.buffers) and current.missing[current.next] == 0:
             if self.profiling:
-                started, compressed = time.perf_counter(), self.metrics.compress_seconds
+                started = time.perf_counter()
                 self._launch(current.buffers[current.next])
-                self._profiler.launched(time.perf_counter() - started, self.metrics.compress_seconds - compressed)
+                self._profiler.launched(time.perf_counter() - started)
                 self._profiler.resume()  # the launch is not backward time
             else:
                 self._launch(current.buffers[current.next])
@@ -424,8 +415,9 @@ class FusionEngine:
             # selection may move thresholds: restore them if this round is dropped as non-finite
             self._round.sparsifier_snapshot = copy.deepcopy(self.sparsifier.state_dict())
             self._round.feedback.loss_scale = self._current_loss_scale()
+        on_selected = self._profiler.compressed if self.profiling else None
         like = self.params[buffer.slots[0].param]
-        return CompressContext(self.sparsifier, self._round.feedback, 1.0 / self.world_size, like.dtype, like.device)
+        return CompressContext(self.sparsifier, self._round.feedback, 1.0 / self.world_size, on_selected, like.dtype, like.device)
 
     def _compress_slot(self, buffer: Buffer, j: int) -> None:
         """Sparsification ahead of fusion: one tensor, as soon as its gradient is ready, here or on
@@ -446,8 +438,6 @@ class FusionEngine:
         with self.timeline.span("select", self._slot_of[slot.param][0], slot.name):
             piece = self.policy.compress_slot(slot, grad, dense_out, ctx)
         elapsed = time.perf_counter() - started
-        if self.profiling and slot.sparse and grad is not None:
-            self._profiler.compressed(slot.numel, elapsed)
         if offloaded:
             self.metrics.offloaded_compress_seconds += elapsed
         else:
@@ -468,13 +458,8 @@ class FusionEngine:
 
     def _batched(self, slot: Slot) -> bool:
         """Whether a tensor waits for its buffer's batched work instead of its own in the hook: a
-        dense one, or a sparse one that is not offloaded and is small or on the host."""
-        if not slot.sparse:
-            return True
-        if slot.param in self._offloaded:
-            return False
-        on_host = self.params[slot.param].device.type == "cpu"
-        return slot.numel < BATCH_BELOW or (HOST_BATCHES_ALL and on_host)
+        dense one, or a small sparse one that is not offloaded."""
+        return not slot.sparse or (slot.numel < BATCH_BELOW and slot.param not in self._offloaded)
 
     def _compress_rest(self, buffer: Buffer) -> None:
         """The buffer's pieces not made in the hooks: its dense tensors, copied in together, its
@@ -509,10 +494,7 @@ class FusionEngine:
         with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
             for (j, _), piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
                 pieces[j] = piece
-        elapsed = time.perf_counter() - started
-        if self.profiling:
-            self._profiler.compressed_together([slot.numel for slot in slots], elapsed)
-        self.metrics.compress_seconds += elapsed
+        self.metrics.compress_seconds += time.perf_counter() - started
 
     def _pack_and_launch(self, buffer: Buffer):
         """Runs after every piece of the buffer: the worker is FIFO, so offloaded pieces are done."""
@@ -575,10 +557,7 @@ class FusionEngine:
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index):
             encoded = self.policy.compress(buffer, grads, self._dense_out(buffer), self._context(buffer))
-        elapsed = time.perf_counter() - started
-        if self.profiling:
-            self._profiler.compressed_together([slot.numel for slot in buffer.sparse_slots], elapsed)
-        self.metrics.compress_seconds += elapsed
+        self.metrics.compress_seconds += time.perf_counter() - started
         return self._finish_encoding(buffer, encoded)
 
     def _compress_and_launch(self, buffer: Buffer, grads: list[Tensor | None]):

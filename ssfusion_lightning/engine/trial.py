@@ -11,8 +11,9 @@ digits CNN: 49-72 ms a step against DDP's 46).
 Why a one-buffer phase: the cost cut charges each buffer its measured launch overhead, but not what
 one more collective round costs where ranks share cores: every round waits for a descheduled rank.
 The digits CNN at P = 4 on 2 cores ran 64-82 ms a step on 2 buffers and 52-63 on 1 (experiments/
-REPORT.md, "Selection at the buffer's launch on the host"). The trial measures what the user pays,
-the step:
+REPORT.md, "Selection at the buffer's launch on the host"); where its cut made 2, this phase measured
+one buffer faster in 5 of 5 runs ("The plan trial times one buffer"). The trial measures what the
+user pays, the step:
 
 1. ``sparse``: ``steps`` step times on the plan the costs made (at the target density), after
    one step left out: the first step on a new plan also pays for the switch (new buffers, the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
@@ -84,16 +85,28 @@ class CompressContext:
     sparsifier: Sparsifier
     feedback: ErrorFeedback
     scale: float  # 1 / world size, applied while packing as DDP does
+    #: called with (numel, seconds) for every selection while the engine profiles
+    on_selected: Callable[[int, float], None] | None = None
     #: dtype and device of the buffer's gradients (the zeros an idle parameter sends)
     dtype: torch.dtype = torch.float32
     device: torch.device | None = None
 
     def select(self, compensated: Tensor, key: str, k: int) -> tuple[Tensor, Tensor]:
-        return self.sparsifier.select(compensated, key=key, k=k)
+        if self.on_selected is None:
+            return self.sparsifier.select(compensated, key=key, k=k)
+        started = time.perf_counter()
+        selected = self.sparsifier.select(compensated, key=key, k=k)
+        self.on_selected(compensated.numel(), time.perf_counter() - started)
+        return selected
 
     def select_many(self, compensated: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
         """Several tensors in one batched selection (each exactly as ``select`` would choose)."""
-        return self.sparsifier.select_many(compensated, keys, ks)
+        if self.on_selected is None:
+            return self.sparsifier.select_many(compensated, keys, ks)
+        started = time.perf_counter()
+        selected = self.sparsifier.select_many(compensated, keys, ks)
+        self.on_selected(sum(c.numel() for c in compensated), time.perf_counter() - started)
+        return selected
 
 
 @dataclass

@@ -2,9 +2,8 @@
 finishes the round's communication earliest.
 
 The cost cut is a dynamic program over the tensors in backward order. Tensor i is ready to launch
-at ``R_i``: the backward up to it plus the compression (compensation and selection) of every
-sparse tensor up to it (the main thread does both, per tensor in the hook or per buffer at its
-launch: the same sum either way, as a batch's time is profiled as each tensor's share of it).
+at ``R_i``: the backward up to it plus the compression of every sparse tensor up to it (the main
+thread does both, per tensor in the hook or per buffer at its launch: the same sum either way).
 A buffer (a, b] starts its communication when its last tensor is ready and the link has finished
 the previous buffer, and takes the alpha-beta time of the allgather collectives on it (the sparse
 all-gather of k (value, position) pairs, with a small dense part riding in its message and a larger
