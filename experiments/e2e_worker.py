@@ -331,9 +331,11 @@ def plan_summary(engine: Any) -> dict[str, Any]:
                 "serial_cpu": costs.serial_cpu,
                 "selection_spread": costs.selection_spread,
                 "dense_measured_faster": costs.dense_measured_faster,
+                "fused_measured_faster": costs.fused_measured_faster,
             },
-            # comm="auto"'s plan trial: its phase and the agreed median steps it measured
-            "dense_trial": engine.dense_trial,
+            # comm="auto"'s plan trial: its phase and the agreed median steps it measured (the key
+            # is older than the trial's one-buffer phase: earlier records read alike)
+            "dense_trial": engine.plan_trial,
         }
     except AttributeError:  # a changed engine API: the plan is only informative
         return {}

@@ -685,7 +685,7 @@ class FusionEngine:
 
     # ---------------------------------------------------------------- the plan trial
     @property
-    def dense_trial(self) -> dict[str, Any] | None:
+    def plan_trial(self) -> dict[str, Any] | None:
         """The plan trial's phase and agreed median steps (None without a trial)."""
         return None if self._trial is None else self._trial.state_dict()
 
@@ -890,7 +890,7 @@ class FusionEngine:
             "memory": engine_state.plain(self.memory.state_dict(), "memory state"),
             "communicator": engine_state.plain(self.communicator.state_dict(), "communicator state"),
             "accumulated": self._accumulated.saved(self.names, self.params),
-            "trial": self.dense_trial,
+            "trial": self.plan_trial,
         }
 
     def check_state(self, state: Any) -> dict[str, Any]:
