@@ -134,6 +134,13 @@ class Profiler:
     def compressed(self, numel: int, seconds: float) -> None:
         self.compress.append((numel, seconds))
 
+    def compressed_together(self, numels: Sequence[int], seconds: float) -> None:
+        """Tensors compressed in one batch whose cost is per element: each is reported its share of
+        the batch's time by size, so the compression line charges each what it cost in the batch."""
+        total = sum(numels)
+        for numel in numels:
+            self.compressed(numel, seconds * numel / max(1, total))
+
     def launched(self, seconds: float) -> None:
         """A buffer's pack and launch on the main thread."""
         self.launches.append(seconds)

@@ -347,6 +347,19 @@ def test_the_compression_line_keeps_the_selections_cost_when_a_rank_waits_for_it
     assert fit_per_size_medians([]) == (0.0, 0.0)
 
 
+def test_a_batch_of_large_tensors_reports_each_its_share_of_the_batchs_time():
+    # three tensors compressed together in 10 ms: the line through the shares charges them 10 ms
+    # together, with no intercept per tensor
+    profiler = Profiler(["w"])
+    for _ in range(3):
+        profiler.compressed_together([100_000, 300_000, 600_000], 10e-3)
+    assert profiler.compress[:3] == [
+        (100_000, pytest.approx(1e-3)), (300_000, pytest.approx(3e-3)), (600_000, pytest.approx(6e-3))
+    ]
+    fixed, per_element = profiler.local_vector()[1:3]
+    assert fixed == pytest.approx(0.0, abs=1e-12) and per_element * 1_000_000 == pytest.approx(10e-3)
+
+
 def test_a_line_never_goes_negative():
     assert line_through((1000.0, 5e-3), (10**6, 4e-3)) == (5e-3, 0.0)  # a slower small message: no negative rate
     assert line_through((1000.0, 1e-6), (10**6, 1.0)) == (0.0, pytest.approx(1e-6, rel=2e-3))  # no negative latency

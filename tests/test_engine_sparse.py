@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import lightning as L
 import pytest
 import torch
@@ -51,7 +53,7 @@ class TwoBranch(nn.Module):
 
 def make_engine(
     model: nn.Module, fusion: str, sparsifier: str = "topk", density: float = 0.1, comm=None, profile_steps: int = 3,
-    nonfinite: str = "raise",
+    nonfinite: str = "raise", buffer_bytes: float | None = 600,
 ):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return FusionEngine(
@@ -61,7 +63,7 @@ def make_engine(
         FUSION_POLICIES.build(fusion),
         comm or RecordingAllgather(),
         ChannelSet([dist.new_group(backend="gloo"), dist.new_group(backend="gloo")], torch.device("cpu")),
-        EngineConfig(buffer_bytes=600, profile_steps=profile_steps, nonfinite=nonfinite),
+        EngineConfig(buffer_bytes=buffer_bytes, profile_steps=profile_steps, nonfinite=nonfinite),
     )
 
 
@@ -165,15 +167,31 @@ def test_topk_training_keeps_ranks_identical_and_learns(pool2):
         assert last < 0.7 * first, (first, last)
 
 
-def batched_against_per_tensor(fusion: str, sparsifier: str, steps: int = 6):
-    """The same training with small tensors selected in one batch per buffer and with every tensor
-    selected in its hook: what each rank sends and the parameters it ends with."""
+#: where tensors are selected: (BATCH_BELOW, HOST_BATCHES_LARGE) of the engine module
+SELECTION_PLACES = {
+    "small ones batched": (1 << 16, True),
+    "branch weights in a batch of their own": (16, True),
+    "each in its hook": (0, False),  # as a large tensor on a GPU
+}
+
+
+@contextmanager
+def selection_place(place: str):
     from ssfusion_lightning.engine import engine as engine_module
 
+    engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_LARGE = SELECTION_PLACES[place]
+    try:
+        yield
+    finally:
+        engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_LARGE = 1 << 16, True
+
+
+def batched_against_per_tensor(fusion: str, sparsifier: str, steps: int = 6):
+    """The same training with tensors selected in batches per buffer and with every tensor
+    selected in its hook: what each rank sends and the parameters it ends with."""
     results = {}
-    for batch_below in (1 << 16, 0):
-        engine_module.BATCH_BELOW = batch_below
-        try:
+    for place in SELECTION_PLACES:
+        with selection_place(place):
             torch.manual_seed(0)
             model = TwoBranch().double()
             # costs are never agreed in these steps: both runs keep the same plan, whatever the timings
@@ -193,20 +211,81 @@ def batched_against_per_tensor(fusion: str, sparsifier: str, steps: int = 6):
                     for p in model.parameters():
                         p -= 0.1 * p.grad
             engine.close()
-            results[batch_below] = (sent, [p.detach().clone() for p in model.parameters()])
-        finally:
-            engine_module.BATCH_BELOW = 1 << 16
+            results[place] = (sent, [p.detach().clone() for p in model.parameters()])
     return results
 
 
 @pytest.mark.parametrize("fusion, sparsifier", [("ahead", "topk"), ("aligned", "dgc"), ("selective", "gaussiank")])
 def test_batched_selection_in_the_engine_sends_what_per_tensor_selection_sends(pool2, fusion, sparsifier):
     for results in pool2.run(batched_against_per_tensor, fusion, sparsifier):
-        (batched_sent, batched_params), (hooked_sent, hooked_params) = results[1 << 16], results[0]
-        assert len(batched_sent) == len(hooked_sent) > 0
-        for (b1, v1, i1), (b2, v2, i2) in zip(batched_sent, hooked_sent):
-            assert b1 == b2 and torch.equal(i1, i2) and torch.equal(v1, v2)
-        assert all(torch.equal(a, b) for a, b in zip(batched_params, hooked_params))
+        hooked_sent, hooked_params = results["each in its hook"]
+        for place in ("small ones batched", "branch weights in a batch of their own"):
+            batched_sent, batched_params = results[place]
+            assert len(batched_sent) == len(hooked_sent) > 0
+            for (b1, v1, i1), (b2, v2, i2) in zip(batched_sent, hooked_sent):
+                assert b1 == b2 and torch.equal(i1, i2) and torch.equal(v1, v2), place
+            assert all(torch.equal(a, b) for a, b in zip(batched_params, hooked_params)), place
+
+
+def where_selected_run(place: str, steps: int = 3):
+    """The details of the last round's select spans (a batch's is its tensor count)."""
+    with selection_place(place):
+        torch.manual_seed(0)
+        model = TwoBranch()
+        engine = make_engine(model, "ahead", density=0.2)
+        engine.timeline.enable()
+        engine.attach()
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            engine.begin_backward()
+            model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
+            engine.finish()
+        engine.close()
+        events = engine.timeline.events()
+        last = max(e.step for e in events)
+        return [e.detail for e in events if e.step == last and e.name == "select"]
+
+
+def test_on_the_host_large_tensors_are_selected_in_a_batch_of_their_own_not_in_their_hooks(pool2):
+    """With the branch weights (36 elements) counted as large, the host selects them in their
+    buffer's batch of large tensors, apart from the small ones' batch; with the host rule off (a
+    GPU's) they are selected one by one in their hooks."""
+    apart = pool2.run(where_selected_run, "branch weights in a batch of their own")
+    hooked = pool2.run(where_selected_run, "each in its hook")
+    for batched, one_by_one in zip(apart, hooked):
+        assert batched and all(detail.endswith("tensors batched") for detail in batched), batched
+        assert {"a.weight", "b.weight"} <= set(one_by_one), one_by_one
+
+
+def profiled_compression_run(place: str, steps: int = 3):
+    """What the cost profiler was told: the sizes of the compressions it saw and the launches'
+    overheads; with the plan's sparse tensor sizes."""
+    with selection_place(place):
+        torch.manual_seed(0)
+        model = TwoBranch()
+        # the auto cut (buffer_bytes None) profiles; 100 rounds keep it profiling
+        engine = make_engine(model, "ahead", density=0.2, profile_steps=100, buffer_bytes=None)
+        engine.attach()
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            engine.begin_backward()
+            model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
+            engine.finish()
+        engine.close()
+        sparse = [slot.numel for buffer in engine.plan.buffers for slot in buffer.sparse_slots]
+        return [numel for numel, _ in engine._profiler.compress], sparse, len(engine._profiler.launches)
+
+
+def test_the_profiler_sees_each_large_tensor_of_a_batch_and_one_sample_of_the_small_ones(pool2):
+    """The cost cut charges a large tensor the compression line at its size: the batch of large
+    tensors reports each of them. The small ones' batch stays one sample of their summed size, as
+    their cost is mostly per call. Every launch is still reported."""
+    for reported, sparse, launches in pool2.run(profiled_compression_run, "branch weights in a batch of their own"):
+        large = [n for n in sparse if n >= 16]
+        small = sum(n for n in sparse if n < 16)
+        rounds = reported.count(small)
+        assert len(large) > 1 and rounds > 0 and launches > 0
+        assert sorted(reported) == sorted(large * rounds + [small] * rounds), (reported, sparse)
 
 
 def zeroing_run(set_to_none: bool, steps: int = 4):
@@ -271,3 +350,44 @@ def test_an_overflow_of_the_compensated_gradient_drops_the_round_on_every_rank(p
         assert skipped == 1
         assert kept
         assert all(cleared)
+
+
+def slow_large_batch_run(steps: int = 3, pause: float = 0.2):
+    """As ``profiled_compression_run``, with every batch of large tensors taking ``pause`` seconds
+    longer: what the profiler charged to those tensors and to the launches."""
+    import time
+
+    from ssfusion_lightning.engine import engine as engine_module
+
+    original = engine_module.FusionEngine._select_batch
+
+    def slow(self, buffer, batch, profiled=True):
+        if not profiled:  # the large tensors' batch
+            time.sleep(pause)
+        return original(self, buffer, batch, profiled)
+
+    engine_module.FusionEngine._select_batch = slow
+    try:
+        with selection_place("branch weights in a batch of their own"):
+            torch.manual_seed(0)
+            model = TwoBranch()
+            engine = make_engine(model, "ahead", density=0.2, profile_steps=100, buffer_bytes=None)
+            engine.attach()
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                engine.begin_backward()
+                model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
+                engine.finish()
+            engine.close()
+            large = sum(seconds for numel, seconds in engine._profiler.compress if numel >= 16)
+            return large, list(engine._profiler.launches)
+    finally:
+        engine_module.FusionEngine._select_batch = original
+
+
+def test_the_large_tensors_batch_is_charged_to_them_not_to_the_buffers_launch(pool2):
+    """Counted in the launch overhead too, each buffer would pay for its large tensors twice in the
+    cost cut: once on the compression line, once per buffer."""
+    for large, launches in pool2.run(slow_large_batch_run):
+        assert launches and large >= 0.2 * len(launches)
+        assert all(seconds < 0.2 for seconds in launches), launches

@@ -3,14 +3,15 @@
 Free of Lightning: the strategy creates it with the model's parameters and its own channels,
 calls ``finish`` after every backward and toggles ``sync_enabled`` for gradient accumulation.
 
-In the hook of each parameter, as its gradient becomes ready, a per-tensor policy compensates
-and selects that tensor right away, on this thread or on the offload worker as the plan decided:
-compression hides behind the rest of the backward. When a buffer is complete and every earlier one
-has launched, its small sparse tensors (below ``BATCH_BELOW`` elements, whose selection costs
-mostly its fixed overhead) are selected together in one batched call, and its dense tensors are
-copied into the dense part and scaled, a few tensor ops for all of them (a copy costs no more
-then than in the hook, and one call per tensor cost more CPU than DDP's bucket copy); then its
-pieces are packed in slot order and launched. Whole-buffer policies (``behind``) compress the
+In the hook of each parameter, as its gradient becomes ready, a per-tensor policy hands that
+tensor to the offload worker when the plan offloads it, and on a GPU compensates and selects a
+large one right away: compression hides behind the rest of the backward. When a buffer is complete
+and every earlier one has launched, its small sparse tensors (below ``BATCH_BELOW`` elements, whose
+selection costs mostly its fixed overhead) are selected together in one batched call, on the host
+its large ones in another (``HOST_BATCHES_LARGE``), and its dense tensors are copied into the
+dense part and scaled, a few tensor ops for all of them (a copy costs no more then than in the
+hook, and one call per tensor cost more CPU than DDP's bucket copy); then its pieces are packed in
+slot order and launched. Whole-buffer policies (``behind``) compress the
 complete buffer instead.
 
 Beside this module: a round's state (``round.py``, made afresh for every round), the control
@@ -87,6 +88,13 @@ NONFINITE_POLICIES = ("raise", "skip")
 #: (one batched selection, ``Sparsifier.select_many``): a selection's fixed cost dominates theirs,
 #: while a larger tensor's selection pays for itself in its hook, hidden behind the backward
 BATCH_BELOW = 1 << 16
+#: on the host, a larger sparse tensor the main thread selects also waits for its buffer, in a batch
+#: of its own: there its hook runs on the core the backward runs on, so its work hides nothing, and
+#: between two layers' backward kernels each selection starts with cold caches (gpt2's 147K-element
+#: tensors: 0.75 ms a selection in their hooks against 0.27 ms one after another; a step's
+#: compression 9.9 -> 7.2 ms at P = 2, experiments/REPORT.md "Selection at the buffer's launch on
+#: the host"). The buffer launches no later: its last tensor's hook ends its selections either way.
+HOST_BATCHES_LARGE = True
 #: ``offload="auto"`` offloads nothing when more than this share of a worker thread's CPU work
 #: delays the main thread (a rank with one core: measured 35 ms more per step on resnet18 at P = 2)
 SERIAL_OFFLOAD_LIMIT = 0.5
@@ -382,9 +390,9 @@ class FusionEngine:
         current = self._round
         while current.next < len(current.buffers) and current.missing[current.next] == 0:
             if self.profiling:
-                started = time.perf_counter()
+                started, current.launch_excluded_seconds = time.perf_counter(), 0.0
                 self._launch(current.buffers[current.next])
-                self._profiler.launched(time.perf_counter() - started)
+                self._profiler.launched(time.perf_counter() - started - current.launch_excluded_seconds)
                 self._profiler.resume()  # the launch is not backward time
             else:
                 self._launch(current.buffers[current.next])
@@ -458,25 +466,34 @@ class FusionEngine:
 
     def _batched(self, slot: Slot) -> bool:
         """Whether a tensor waits for its buffer's batched work instead of its own in the hook: a
-        dense one, or a small sparse one that is not offloaded."""
-        return not slot.sparse or (slot.numel < BATCH_BELOW and slot.param not in self._offloaded)
+        dense one, or a sparse one that is not offloaded and is small or on the host."""
+        if not slot.sparse:
+            return True
+        if slot.param in self._offloaded:
+            return False
+        on_host = self.params[slot.param].device.type == "cpu"
+        return slot.numel < BATCH_BELOW or (HOST_BATCHES_LARGE and on_host)
 
     def _compress_rest(self, buffer: Buffer) -> None:
         """The buffer's pieces not made in the hooks: its dense tensors, copied in together, its
-        small sparse tensors, in one batched selection, and those with no gradient on this rank
-        (they send zeros, so every rank issues alike)."""
-        pieces, dense, sparse = self._round.pieces[buffer.index], [], []
+        small sparse tensors, in one batched selection, on the host its large ones, in another, and
+        those with no gradient on this rank (they send zeros, so every rank issues alike)."""
+        pieces, dense, small, large = self._round.pieces[buffer.index], [], [], []
         for j, slot in enumerate(buffer.slots):
             if pieces[j] is None:
                 grad = self._grad(slot.param) if self._batched(slot) else None
-                if grad is not None:
-                    (sparse if slot.sparse else dense).append((j, grad))
-                else:
+                if grad is None:
                     self._compress_slot(buffer, j)
+                elif not slot.sparse:
+                    dense.append((j, grad))
+                else:
+                    (small if slot.numel < BATCH_BELOW else large).append((j, grad))
         if dense:
             self._pack_dense(buffer, dense)
-        if sparse:
-            self._select_batch(buffer, sparse)
+        if small:
+            self._select_batch(buffer, small)
+        if large:
+            self._select_large_batch(buffer, large)
 
     def _pack_dense(self, buffer: Buffer, batch: list[tuple[int, Tensor]]) -> None:
         slots = [buffer.slots[j] for j, _ in batch]
@@ -486,15 +503,29 @@ class FusionEngine:
             for (j, _), piece in zip(batch, made):
                 pieces[j] = piece
 
-    def _select_batch(self, buffer: Buffer, batch: list[tuple[int, Tensor]]) -> None:
+    def _select_batch(self, buffer: Buffer, batch: list[tuple[int, Tensor]], profiled: bool = True) -> None:
+        """``profiled=False``: the selection's time is not reported to the cost profile here."""
         slots, grads = [buffer.slots[j] for j, _ in batch], [g for _, g in batch]
         pieces = self._round.pieces[buffer.index]
-        ctx = self._context(buffer)
+        ctx = self._context(buffer) if profiled else replace(self._context(buffer), on_selected=None)
         started = time.perf_counter()
         with self.timeline.span("select", buffer.index, f"{len(slots)} tensors batched"):
             for (j, _), piece in zip(batch, self.policy.compress_sparse_slots(slots, grads, ctx)):
                 pieces[j] = piece
         self.metrics.compress_seconds += time.perf_counter() - started
+
+    def _select_large_batch(self, buffer: Buffer, batch: list[tuple[int, Tensor]]) -> None:
+        """The host's large sparse tensors, compensated and selected together at the launch. The
+        cost profile charges them as the cut does, per element: each is reported its share of the
+        batch by size (compensation included, as the hook's time was not backward time either), and
+        the batch is left out of the buffer's launch overhead. The small tensors' batch stays in the
+        overhead: its cost is mostly per call, so per buffer."""
+        started = time.perf_counter()
+        self._select_batch(buffer, batch, profiled=False)
+        elapsed = time.perf_counter() - started
+        if self.profiling:
+            self._profiler.compressed_together([buffer.slots[j].numel for j, _ in batch], elapsed)
+            self._round.launch_excluded_seconds += elapsed
 
     def _pack_and_launch(self, buffer: Buffer):
         """Runs after every piece of the buffer: the worker is FIFO, so offloaded pieces are done."""

@@ -39,6 +39,9 @@ class Round:
     next: int = 0
     #: the launched buffers, (buffer, pending reduction, encoded), or the offload worker's futures of them
     launched: list[Any] = field(default_factory=list)
+    #: while the engine profiles: the time of the launching buffer's batches that the cost profile
+    #: charges per element, left out of the launch overhead
+    launch_excluded_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.missing = [len(buffer.slots) for buffer in self.buffers]
