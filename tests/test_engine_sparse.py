@@ -167,11 +167,12 @@ def test_topk_training_keeps_ranks_identical_and_learns(pool2):
         assert last < 0.7 * first, (first, last)
 
 
-#: where tensors are selected: (BATCH_BELOW, HOST_BATCHES_LARGE) of the engine module
+#: where tensors are selected: (BATCH_BELOW, HOST_BATCH_BELOW) of the engine module
 SELECTION_PLACES = {
-    "small ones batched": (1 << 16, True),
-    "branch weights in a batch of their own": (16, True),
-    "each in its hook": (0, False),  # as a large tensor on a GPU
+    "small ones batched": (1 << 16, 1 << 16),
+    "branch weights in a batch of their own": (16, 1 << 18),
+    "branch weights in their hooks": (16, 16),  # too large for the host's batch, as on a GPU
+    "each in its hook": (0, 0),
 }
 
 
@@ -179,11 +180,11 @@ SELECTION_PLACES = {
 def selection_place(place: str):
     from ssfusion_lightning.engine import engine as engine_module
 
-    engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_LARGE = SELECTION_PLACES[place]
+    engine_module.BATCH_BELOW, engine_module.HOST_BATCH_BELOW = SELECTION_PLACES[place]
     try:
         yield
     finally:
-        engine_module.BATCH_BELOW, engine_module.HOST_BATCHES_LARGE = 1 << 16, True
+        engine_module.BATCH_BELOW, engine_module.HOST_BATCH_BELOW = 1 << 16, 1 << 18
 
 
 def batched_against_per_tensor(fusion: str, sparsifier: str, steps: int = 6):
@@ -219,7 +220,7 @@ def batched_against_per_tensor(fusion: str, sparsifier: str, steps: int = 6):
 def test_batched_selection_in_the_engine_sends_what_per_tensor_selection_sends(pool2, fusion, sparsifier):
     for results in pool2.run(batched_against_per_tensor, fusion, sparsifier):
         hooked_sent, hooked_params = results["each in its hook"]
-        for place in ("small ones batched", "branch weights in a batch of their own"):
+        for place in ("small ones batched", "branch weights in a batch of their own", "branch weights in their hooks"):
             batched_sent, batched_params = results[place]
             assert len(batched_sent) == len(hooked_sent) > 0
             for (b1, v1, i1), (b2, v2, i2) in zip(batched_sent, hooked_sent):
@@ -248,10 +249,10 @@ def where_selected_run(place: str, steps: int = 3):
 
 def test_on_the_host_large_tensors_are_selected_in_a_batch_of_their_own_not_in_their_hooks(pool2):
     """With the branch weights (36 elements) counted as large, the host selects them in their
-    buffer's batch of large tensors, apart from the small ones' batch; with the host rule off (a
-    GPU's) they are selected one by one in their hooks."""
+    buffer's batch of larger tensors, apart from the small ones' batch; above the host's bound (as
+    on a GPU) they are selected one by one in their hooks."""
     apart = pool2.run(where_selected_run, "branch weights in a batch of their own")
-    hooked = pool2.run(where_selected_run, "each in its hook")
+    hooked = pool2.run(where_selected_run, "branch weights in their hooks")
     for batched, one_by_one in zip(apart, hooked):
         assert batched and all(detail.endswith("tensors batched") for detail in batched), batched
         assert {"a.weight", "b.weight"} <= set(one_by_one), one_by_one

@@ -8,7 +8,7 @@ tensor to the offload worker when the plan offloads it, and on a GPU compensates
 large one right away: compression hides behind the rest of the backward. When a buffer is complete
 and every earlier one has launched, its small sparse tensors (below ``BATCH_BELOW`` elements, whose
 selection costs mostly its fixed overhead) are selected together in one batched call, on the host
-its large ones in another (``HOST_BATCHES_LARGE``), and its dense tensors are copied into the
+its larger ones below ``HOST_BATCH_BELOW`` in another, and its dense tensors are copied into the
 dense part and scaled, a few tensor ops for all of them (a copy costs no more then than in the
 hook, and one call per tensor cost more CPU than DDP's bucket copy); then its pieces are packed in
 slot order and launched. Whole-buffer policies (``behind``) compress the
@@ -88,13 +88,16 @@ NONFINITE_POLICIES = ("raise", "skip")
 #: (one batched selection, ``Sparsifier.select_many``): a selection's fixed cost dominates theirs,
 #: while a larger tensor's selection pays for itself in its hook, hidden behind the backward
 BATCH_BELOW = 1 << 16
-#: on the host, a larger sparse tensor the main thread selects also waits for its buffer, in a batch
-#: of its own: there its hook runs on the core the backward runs on, so its work hides nothing, and
-#: between two layers' backward kernels each selection starts with cold caches (gpt2's 147K-element
-#: tensors: 0.75 ms a selection in their hooks against 0.27 ms one after another; a step's
-#: compression 9.9 -> 7.2 ms at P = 2, experiments/REPORT.md "Selection at the buffer's launch on
-#: the host"). The buffer launches no later: its last tensor's hook ends its selections either way.
-HOST_BATCHES_LARGE = True
+#: on the host, a sparse tensor below this many elements that the main thread selects waits for
+#: its buffer even when it is larger than ``BATCH_BELOW``, in a batch of its own. There its hook runs
+#: on the core the backward runs on, so its work hides nothing, and between two layers' backward
+#: kernels the selection starts with cold caches: gpt2's 147K-element tensors took 0.75 ms a
+#: selection in their hooks against 0.27 ms one after another, and batched at the launch a step's
+#: compression fell by 12-21% (experiments/REPORT.md, "Large tensors in a batch of their own on the
+#: host"). Larger tensors are selected in their hooks: with gpt2_10m's 442K- and 590K-element
+#: tensors batched too, its compression rose by 15%, since a gradient autograd just wrote is warmer
+#: in the hook than at the launch. A buffer launches no later either way.
+HOST_BATCH_BELOW = 1 << 18
 #: ``offload="auto"`` offloads nothing when more than this share of a worker thread's CPU work
 #: delays the main thread (a rank with one core: measured 35 ms more per step on resnet18 at P = 2)
 SERIAL_OFFLOAD_LIMIT = 0.5
@@ -466,13 +469,13 @@ class FusionEngine:
 
     def _batched(self, slot: Slot) -> bool:
         """Whether a tensor waits for its buffer's batched work instead of its own in the hook: a
-        dense one, or a sparse one that is not offloaded and is small or on the host."""
+        dense one, or a sparse one that is not offloaded and is small (on the host, not large)."""
         if not slot.sparse:
             return True
         if slot.param in self._offloaded:
             return False
         on_host = self.params[slot.param].device.type == "cpu"
-        return slot.numel < BATCH_BELOW or (HOST_BATCHES_LARGE and on_host)
+        return slot.numel < (HOST_BATCH_BELOW if on_host else BATCH_BELOW)
 
     def _compress_rest(self, buffer: Buffer) -> None:
         """The buffer's pieces not made in the hooks: its dense tensors, copied in together, its
