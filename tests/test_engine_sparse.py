@@ -228,21 +228,27 @@ def test_batched_selection_in_the_engine_sends_what_per_tensor_selection_sends(p
             assert all(torch.equal(a, b) for a, b in zip(batched_params, hooked_params)), place
 
 
+def train_two_branch(steps: int, timeline: bool = False, **engine_options) -> FusionEngine:
+    """``steps`` rounds of ``TwoBranch`` on an "ahead" engine at density 0.2; the closed engine."""
+    torch.manual_seed(0)
+    model = TwoBranch()
+    engine = make_engine(model, "ahead", density=0.2, **engine_options)
+    if timeline:
+        engine.timeline.enable()
+    engine.attach()
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        engine.begin_backward()
+        model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
+        engine.finish()
+    engine.close()
+    return engine
+
+
 def where_selected_run(place: str, steps: int = 3):
     """The details of the last round's select spans (a batch's is its tensor count)."""
     with selection_place(place):
-        torch.manual_seed(0)
-        model = TwoBranch()
-        engine = make_engine(model, "ahead", density=0.2)
-        engine.timeline.enable()
-        engine.attach()
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            engine.begin_backward()
-            model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
-            engine.finish()
-        engine.close()
-        events = engine.timeline.events()
+        events = train_two_branch(steps, timeline=True).timeline.events()
         last = max(e.step for e in events)
         return [e.detail for e in events if e.step == last and e.name == "select"]
 
@@ -262,17 +268,8 @@ def profiled_compression_run(place: str, steps: int = 3):
     """What the cost profiler was told: the sizes of the compressions it saw and the launches'
     overheads; with the plan's sparse tensor sizes."""
     with selection_place(place):
-        torch.manual_seed(0)
-        model = TwoBranch()
         # the auto cut (buffer_bytes None) profiles; 100 rounds keep it profiling
-        engine = make_engine(model, "ahead", density=0.2, profile_steps=100, buffer_bytes=None)
-        engine.attach()
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            engine.begin_backward()
-            model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
-            engine.finish()
-        engine.close()
+        engine = train_two_branch(steps, profile_steps=100, buffer_bytes=None)
         sparse = [slot.numel for buffer in engine.plan.buffers for slot in buffer.sparse_slots]
         return [numel for numel, _ in engine._profiler.compress], sparse, len(engine._profiler.launches)
 
@@ -370,16 +367,7 @@ def slow_large_batch_run(steps: int = 3, pause: float = 0.2):
     engine_module.FusionEngine._select_batch = slow
     try:
         with selection_place("branch weights in a batch of their own"):
-            torch.manual_seed(0)
-            model = TwoBranch()
-            engine = make_engine(model, "ahead", density=0.2, profile_steps=100, buffer_bytes=None)
-            engine.attach()
-            for _ in range(steps):
-                model.zero_grad(set_to_none=True)
-                engine.begin_backward()
-                model(torch.randn(4, 6), reverse=False).pow(2).sum().backward()
-                engine.finish()
-            engine.close()
+            engine = train_two_branch(steps, profile_steps=100, buffer_bytes=None)
             large = sum(seconds for numel, seconds in engine._profiler.compress if numel >= 16)
             return large, list(engine._profiler.launches)
     finally:
