@@ -4,8 +4,9 @@ Free of Lightning: the strategy creates it with the model's parameters and its o
 calls ``finish`` after every backward and toggles ``sync_enabled`` for gradient accumulation.
 
 In the hook of each parameter, as its gradient becomes ready, a per-tensor policy hands that
-tensor to the offload worker when the plan offloads it, and on a GPU compensates and selects a
-large one right away: compression hides behind the rest of the backward. When a buffer is complete
+tensor to the offload worker when the plan offloads it, and compensates and selects a large one
+right away (on the host, one of ``HOST_BATCH_BELOW`` elements or more): compression hides behind the
+rest of the backward. When a buffer is complete
 and every earlier one has launched, its small sparse tensors (below ``BATCH_BELOW`` elements, whose
 selection costs mostly its fixed overhead) are selected together in one batched call, on the host
 its larger ones below ``HOST_BATCH_BELOW`` in another, and its dense tensors are copied into the
@@ -479,7 +480,7 @@ class FusionEngine:
 
     def _compress_rest(self, buffer: Buffer) -> None:
         """The buffer's pieces not made in the hooks: its dense tensors, copied in together, its
-        small sparse tensors, in one batched selection, on the host its large ones, in another, and
+        small sparse tensors, in one batched selection, on the host its larger ones, in another, and
         those with no gradient on this rank (they send zeros, so every rank issues alike)."""
         pieces, dense, small, large = self._round.pieces[buffer.index], [], [], []
         for j, slot in enumerate(buffer.slots):
