@@ -165,47 +165,6 @@ def test_a_buffer_of_many_tensors(name, path, seed, dtype):
     check_equal(name, {}, 0.01, specs, keys, [None] * len(specs), dtype)
 
 
-@pytest.mark.parametrize("name, options, path", CASES, ids=[f"{p}-{n}{o or ''}" for n, o, p in CASES])
-@PROPERTY
-@given(batch=batches(), density=st.sampled_from([0.001, 0.01, 0.05, 0.3]))
-def test_select_many_from_the_workspace_equals_the_loop(name, options, path, monkeypatch, batch, density):
-    """Tensors written into ``batched.workspace``'s views (as error feedback compensates a
-    buffer's tensors) are selected as the loop selects the same values in tensors of their own."""
-    monkeypatch.setattr(selection, "NUMPY_ON_CPU", path == "numpy")
-    specs, keys, ks, dtype = batch
-    tensors = [t.to(dtype) for t in materialize(specs, dtype)]
-    batched_one = build_sparsifier(name, density=density, **options)
-    looped_one = build_sparsifier(name, density=density, **options)
-    for _ in range(2):
-        _, views = batched.workspace([t.shape for t in tensors], dtype, torch.device("cpu"))
-        for view, tensor in zip(views, tensors):
-            view.copy_(tensor)
-        got = batched_one.select_many(views, keys, ks)
-        expected = [looped_one.select(t, key=key, k=k) for t, key, k in zip(tensors, keys, ks)]
-        for tensor, g, e in zip(tensors, got, expected):
-            assert_same_selection(tensor, g, e)
-        batched_one.advance()
-        looped_one.advance()
-
-
-def test_the_batch_reads_the_workspace_without_a_copy(path, monkeypatch):
-    """The workspace's own views are selected in place; any other tensors are copied in first."""
-    copies = []
-    original = torch._foreach_copy_
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: copies.append(len(dst)) or original(dst, src))
-    shapes = [torch.Size([300]), torch.Size([64, 3, 3, 3]), torch.Size([5000])]
-    flat, views = batched.workspace(shapes, torch.float32, torch.device("cpu"))
-    flat.copy_(torch.randn(flat.numel(), generator=torch.Generator().manual_seed(0)))
-    sparsifier = build_sparsifier("dgc", density=0.01)
-    in_place = sparsifier.select_many(views, ["a", "b", "c"], [None] * 3)
-    assert copies == []
-    own = [v.clone() for v in views]
-    copied = sparsifier.select_many(own, ["a", "b", "c"], [None] * 3)
-    assert copies == [3]
-    for (v1, i1), (v2, i2) in zip(in_place, copied):
-        assert torch.equal(i1, i2) and torch.equal(v1, v2)
-
-
 def test_failed_bound_falls_back_to_the_exact_top_k(path):
     """A sample that overestimates the k-th magnitude: exactly the sampled positions are large,
     so fewer than k elements reach the bound and the tensor takes the top-k of all its elements."""

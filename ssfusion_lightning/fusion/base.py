@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ssfusion_lightning.fusion.cut import cut_buffers
 from ssfusion_lightning.registry import Registry
-from ssfusion_lightning.sparsifiers import Memory, Sparsifier, batched, k_for
+from ssfusion_lightning.sparsifiers import Memory, Sparsifier, k_for
 from ssfusion_lightning.vocabulary import Buffer, Encoded, ParamSpec, PendingUpdate, Plan, Slot
 
 
@@ -52,15 +52,6 @@ class ErrorFeedback:
     def compensate_many(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[Tensor]:
         """``compensate`` of several tensors, checked together."""
         return self._checked([self.memory.compensate(k, g, loss_scale=self.loss_scale) for k, g in zip(keys, grads)])
-
-    def compensate_many_into(self, keys: Sequence[str], grads: Sequence[Tensor], outs: Sequence[Tensor], flat: Tensor) -> list[Tensor]:
-        """``compensate`` of several tensors written into ``outs``, views that tile ``flat``:
-        checked together, as one tensor."""
-        compensated = [
-            self.memory.compensate_into(k, g, out, loss_scale=self.loss_scale) for k, g, out in zip(keys, grads, outs)
-        ]
-        self._checked([flat])
-        return compensated
 
     def compensate_into(self, key: str, grad: Tensor, out: Tensor) -> Tensor:
         """``compensate`` written into ``out`` (a fused buffer's flat slice), with no temporary."""
@@ -172,13 +163,7 @@ class FusionPolicy(ABC):
         """Sparse slots that all have a gradient, compensated one by one and selected in one
         batched call: what ``compress_slot`` gives each, without a selection's fixed cost per
         tensor (which dominates for small tensors)."""
-        keys = [slot.name for slot in slots]
-        if len({(g.dtype, g.device) for g in grads}) == 1:
-            # into the batch's workspace, which the batched selection then reads with no copy
-            flat, views = batched.workspace([slot.shape for slot in slots], grads[0].dtype, grads[0].device)
-            compensated = ctx.feedback.compensate_many_into(keys, grads, views, flat)
-        else:
-            compensated = ctx.feedback.compensate_many(keys, grads)
+        compensated = ctx.feedback.compensate_many([slot.name for slot in slots], grads)
         selections = ctx.select_many(compensated, [slot.name for slot in slots], [slot.k for slot in slots])
         return [
             self._sparse_piece(slot, grad, tensor, selection, ctx)

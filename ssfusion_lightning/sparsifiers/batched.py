@@ -138,32 +138,6 @@ def _scratch(kind: str, dtype: torch.dtype, device: torch.device, numel: int) ->
     return buffer
 
 
-def workspace(shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[Tensor]]:
-    """This thread's flat batch workspace for tensors in ``shapes``, and views of it in those
-    shapes, laid out as a batch of them is. A caller that writes a batch's tensors into them (error feedback's
-    ``compensate_into``) hands ``select_many`` the flat buffer itself: the batch selects from it
-    with no copy, and the caller makes no temporary per tensor (on gpt2's nine 147K-element
-    tensors the temporaries and the copy took 2.7 ms a step, the sums into the views 0.2 ms).
-    Valid until this thread asks for the next workspace."""
-    shapes = tuple(torch.Size(shape) for shape in shapes)
-    lay = layout_of(tuple(shape.numel() for shape in shapes))
-    flat = _scratch("workspace", dtype, device, lay.total)[: lay.total]
-    views = _views_of(flat, shapes, lay)
-    _SCRATCH.workspace = (views, flat)
-    return flat, views
-
-
-def _workspace_flat(tensors: Sequence[Tensor]) -> Tensor | None:
-    """The flat workspace when ``tensors`` are exactly the views ``workspace`` last gave this thread."""
-    handed = getattr(_SCRATCH, "workspace", None)
-    if handed is None:
-        return None
-    views, flat = handed
-    if len(tensors) != len(views) or any(t is not v for t, v in zip(tensors, views)):
-        return None
-    return flat
-
-
 def _views_of(flat: Tensor, shapes: tuple[torch.Size, ...], lay: Layout) -> list[Tensor]:
     """Views of ``flat`` in the tensors' shapes at their buffer positions, cached per buffer and
     shapes: one ``_foreach_copy_`` into them flattens all the tensors (logical row-major order,
@@ -230,12 +204,8 @@ class FlatBatch:
         self.cpu = on_host(tensors[0])  # the numpy path
         self.layout = lay = layout_of(numels)
         n = lay.total
-        flat = _workspace_flat(tensors)
-        if flat is None:
-            self.signed = _scratch("signed", self.dtype, self.device, n)[:n]
-            torch._foreach_copy_(_views_of(self.signed, tuple(t.shape for t in tensors), lay), tensors)
-        else:  # the tensors were written into the workspace: already flat, in this layout
-            self.signed = flat
+        self.signed = _scratch("signed", self.dtype, self.device, n)[:n]
+        torch._foreach_copy_(_views_of(self.signed, tuple(t.shape for t in tensors), lay), tensors)
         mag_dtype = magnitude_dtype(self.dtype)
         self.mag = _scratch("mag", mag_dtype, self.device, n + 1)[: n + 1]
         if mag_dtype == self.dtype:

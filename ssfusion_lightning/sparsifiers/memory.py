@@ -58,12 +58,10 @@ class Memory(ABC):
     ) -> None: ...
 
     def compensate_into(self, key: str, grad: Tensor, out: Tensor, loss_scale: Tensor | None = None) -> Tensor:
-        """``compensate``'s tensor written into ``out`` (contiguous, ``grad.numel()`` elements, flat
-        or in ``grad``'s shape: logical order), the same bits; returns ``out``. A fusing policy
-        passes its buffer's slice, a batched selection its workspace's view, so no temporary the
-        size of the tensor is made where the memory can compute in place."""
-        out.view(-1).copy_(self.compensate(key, grad, loss_scale).reshape(-1))
-        return out
+        """``compensate``'s tensor written into ``out`` (flat, ``grad.numel()`` elements, in logical
+        order), the same bits; returns ``out``. A fusing policy passes its buffer's slice, so no
+        temporary the size of the tensor is made where the memory can compute in place."""
+        return out.copy_(self.compensate(key, grad, loss_scale).reshape(-1))
 
     def compensate_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor | None:
         """The tensor a dense slot sends instead of ``grad``, or None when ``grad`` goes as it is.
