@@ -158,11 +158,16 @@ class Profiler:
         return medians + [fixed, per_element, launch + job_cpu_seconds]
 
 
-#: a large probe message that takes longer than this (agreed over the ranks) is timed once, not
-#: ``repeats`` times: on a slow link its repeats were most of a short run's start-up (six 1 MB
-#: messages, 1.2 s at 40 Mbit/s and P = 4), and at that length a repeat removes less noise (a
-#: few ms of scheduling) than it costs
-SINGLE_LARGE_SECONDS = 0.04
+#: a link whose warm-up (a quarter of the large message, agreed over the ranks) takes longer
+#: than this is slow: each large message is timed once, at half its size, not ``repeats`` times.
+#: On a slow link the repeats were most of a short run's start-up (six 1 MB messages, 1.2 s at
+#: 40 Mbit/s and P = 4), and at that length a repeat removes less noise (a few ms of scheduling)
+#: than it costs. 5 ms for 256 KB is about 50 MB/s (400 Mbit/s); a shaper's burst makes the
+#: warm-up faster than the link, so links somewhat slower than that may still count as fast.
+SINGLE_LARGE_SECONDS = 0.005
+#: the warm-up's share of the large message: enough to empty a shaper's burst (128 KiB on the
+#: emulated links) and to open a TCP window after idle
+WARM_UP_FRACTION = 4
 
 
 def measure_links(
@@ -176,12 +181,13 @@ def measure_links(
     size P / 2(P - 1). (With 1 MB per rank, an allgather probe moved (P - 1) MB: 3 MB per repeat at
     P = 4, 1.7 s of a 4-rank 40 Mbit/s run's first steps, and 255 MB at P = 256.)
 
-    The large messages follow one untimed warm-up of the first collective's: the first large
-    message after an idle link is not the link's rate (on the emulated 40 Mbit/s link it took
-    196 ms against 220 ms for every later one: the shaper's bucket passes its first 128 KiB at
-    once; a TCP connection restarting after idle goes the other way). Its time, agreed over the
-    ranks, also sets the timed repeats of every large message: one above
-    ``SINGLE_LARGE_SECONDS``, ``repeats`` below it.
+    The large messages follow one untimed warm-up of the first collective's, a quarter of their
+    size: the first large message after an idle link is not the link's rate (on the emulated
+    40 Mbit/s link it took 196 ms against 220 ms for every later one: the shaper's bucket passes
+    its first 128 KiB at once; a TCP connection restarting after idle goes the other way). Its
+    time, agreed over the ranks, also sets how the large messages are timed: above
+    ``SINGLE_LARGE_SECONDS`` (a slow link) once each at half the size, which still spans about
+    0.1 s at 40 Mbit/s; below it ``repeats`` times at the full size.
 
     A least-squares line through several sizes is led by the largest and loses the latency (on the
     40 Mbit/s emulated link at P = 4: alpha 0-1.6 ms against 3.9 ms measured directly, changing run
@@ -211,11 +217,12 @@ def measure_links(
 
     small, large = sizes[0], sizes[-1]
     smalls = {collective: probe_median(collective, small, repeats) for collective in collectives}
-    warm_up = torch.tensor([probe_once(collectives[0], large)], dtype=torch.float64, device=device)
+    warm_up = torch.tensor([probe_once(collectives[0], large // WARM_UP_FRACTION)], dtype=torch.float64, device=device)
     dist.all_reduce(warm_up, op=dist.ReduceOp.MAX, group=group)
-    count = 1 if float(warm_up) > SINGLE_LARGE_SECONDS else repeats
+    slow = float(warm_up) > SINGLE_LARGE_SECONDS
+    timed, count = (large // 2, 1) if slow else (large, repeats)
     return {
-        collective: Link(*line_through(smalls[collective], probe_median(collective, large, count)))
+        collective: Link(*line_through(smalls[collective], probe_median(collective, timed, count)))
         for collective in collectives
     }
 

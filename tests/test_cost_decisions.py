@@ -423,11 +423,11 @@ def probe_sizes(slow_rank: int | None = None, single_above: float = 10.0) -> lis
 
 
 def test_measure_links_probes_with_the_sized_messages(pool4):
-    # P = 4: the 1 KB probes 3 times each, one untimed 1 MB warm-up and the agreement on its time
+    # P = 4: the 1 KB probes 3 times each, one untimed 256 KB warm-up and the agreement on its time
     # (one element), then the 1 MB probes 3 times each (the warm-up was faster than 10 s); an
     # allgather rank sends a third of the bytes it moves
     small = [("allreduce", 171)] * 3 + [("allgather", 85)] * 3
-    warm_up = [("allreduce", 174763), ("allreduce", 1)]
+    warm_up = [("allreduce", 43691), ("allreduce", 1)]
     large = [("allreduce", 174763)] * 3 + [("allgather", 87381)] * 3
     for seen in pool4.run(probe_sizes):
         assert seen == small + warm_up + large
@@ -436,9 +436,9 @@ def test_measure_links_probes_with_the_sized_messages(pool4):
 def test_a_slow_warm_up_on_one_rank_gives_every_rank_one_timed_large_message(pool2):
     # P = 2 (a rank moves what it sends). With the threshold at 40 ms, rank 1's clock reads the
     # warm-up above it (50 ms more) and rank 0's may not: the agreed (max) time decides, so both
-    # ranks time each large message once and stay in step
+    # ranks time each large message once, at half its size, and stay in step
     small = [("allreduce", 256)] * 3 + [("allgather", 256)] * 3
-    warm_up = [("allreduce", 262144), ("allreduce", 1)]
-    large = [("allreduce", 262144), ("allgather", 262144)]
+    warm_up = [("allreduce", 65536), ("allreduce", 1)]
+    large = [("allreduce", 131072), ("allgather", 131072)]
     for seen in pool2.run(probe_sizes, 1, 0.04):
         assert seen == small + warm_up + large
