@@ -164,7 +164,7 @@ class Profiler:
 #: 40 Mbit/s and P = 4), and at that length a repeat removes less noise (a few ms of scheduling)
 #: than it costs. 5 ms for 256 KB is about 50 MB/s (400 Mbit/s); a shaper's burst makes the
 #: warm-up faster than the link, so links somewhat slower than that may still count as fast.
-SINGLE_LARGE_SECONDS = 0.005
+SLOW_WARM_UP_SECONDS = 0.005
 #: the warm-up's share of the large message: enough to empty a shaper's burst (128 KiB on the
 #: emulated links) and to open a TCP window after idle
 WARM_UP_FRACTION = 4
@@ -186,7 +186,7 @@ def measure_links(
     40 Mbit/s link it took 196 ms against 220 ms for every later one: the shaper's bucket passes
     its first 128 KiB at once; a TCP connection restarting after idle goes the other way). Its
     time, agreed over the ranks, also sets how the large messages are timed: above
-    ``SINGLE_LARGE_SECONDS`` (a slow link) once each at half the size, which still spans about
+    ``SLOW_WARM_UP_SECONDS`` (a slow link) once each at half the size, which still spans about
     0.1 s at 40 Mbit/s; below it ``repeats`` times at the full size.
 
     A least-squares line through several sizes is led by the largest and loses the latency (on the
@@ -219,7 +219,7 @@ def measure_links(
     smalls = {collective: probe_median(collective, small, repeats) for collective in collectives}
     warm_up = torch.tensor([probe_once(collectives[0], large // WARM_UP_FRACTION)], dtype=torch.float64, device=device)
     dist.all_reduce(warm_up, op=dist.ReduceOp.MAX, group=group)
-    slow = float(warm_up) > SINGLE_LARGE_SECONDS
+    slow = float(warm_up) > SLOW_WARM_UP_SECONDS
     timed, count = (large // 2, 1) if slow else (large, repeats)
     return {
         collective: Link(*line_through(smalls[collective], probe_median(collective, timed, count)))

@@ -381,9 +381,9 @@ def test_a_link_probe_moves_the_same_bytes_per_rank_at_any_world_size(world, mov
     assert abs(ring_allreduce_bytes(reduce, world) - moved) <= 4
 
 
-def probe_sizes(slow_rank: int | None = None, single_above: float = 10.0) -> list[tuple[str, int]]:
+def probe_sizes(slow_rank: int | None = None, slow_above: float = 10.0) -> list[tuple[str, int]]:
     """Run measure_links for both collectives on this rank, recording each call's collective and
-    elements, with ``SINGLE_LARGE_SECONDS`` = ``single_above`` (10 s: loopback is never that slow,
+    elements, with ``SLOW_WARM_UP_SECONDS`` = ``slow_above`` (10 s: loopback is never that slow,
     however loaded the host). On ``slow_rank`` every large message takes 50 ms longer (after the
     collective, so only that rank's own clock sees it)."""
     import time
@@ -411,12 +411,12 @@ def probe_sizes(slow_rank: int | None = None, single_above: float = 10.0) -> lis
         return work
 
     dist.all_reduce, dist.all_gather = all_reduce, all_gather
-    threshold, costmodel.SINGLE_LARGE_SECONDS = costmodel.SINGLE_LARGE_SECONDS, single_above
+    threshold, costmodel.SLOW_WARM_UP_SECONDS = costmodel.SLOW_WARM_UP_SECONDS, slow_above
     try:
         links = costmodel.measure_links(("allreduce", "allgather"), None, torch.device("cpu"))
     finally:
         dist.all_reduce, dist.all_gather = real_reduce, real_gather
-        costmodel.SINGLE_LARGE_SECONDS = threshold
+        costmodel.SLOW_WARM_UP_SECONDS = threshold
     assert sorted(links) == ["allgather", "allreduce"]
     assert all(link.alpha >= 0 and link.beta >= 0 for link in links.values())
     return seen
