@@ -4,6 +4,7 @@ the per-tensor loop of ``select``, in units of one ``abs()`` pass over the same 
     python -m experiments.bench_batched_selection                # 1 intra-op thread and torch's default
     python -m experiments.bench_batched_selection --quick        # smoke run (seconds)
     python -m experiments.bench_batched_selection --sparsifiers topk dgc gaussiank sidco
+    python -m experiments.bench_batched_selection --sparsifiers dgc dgc:exact_below=0   # options after a colon
 
 The buffer is 60 fp32 tensors totalling 2^20 elements, laid out like a small CNN: 29 3x3 conv
 weights whose channels grow geometrically (3 -> 16 -> ... -> 126, from 432 to ~143k elements),
@@ -100,14 +101,32 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - start, time.thread_time() - cpu
 
 
+def parse_spec(spec: str) -> tuple[str, dict[str, int | float | str]]:
+    """``name`` or ``name:key=value,key=value`` (numbers as numbers) -> the name and its options."""
+    name, _, rest = spec.partition(":")
+    options: dict[str, int | float | str] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        for kind in (int, float):
+            try:
+                options[key] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            options[key] = value
+    return name, options
+
+
 def bench(name: str, density: float, rounds: int, generator: torch.Generator) -> dict:
     tensors = [torch.randn(shape, generator=generator) for shape in buffer_shapes()]
     keys = [f"p{i}" for i in range(len(tensors))]
     ks = [None] * len(tensors)
     reference = torch.randn(TOTAL, generator=generator)
     out = torch.empty(TOTAL)
-    loop_one = build_sparsifier(name, density=density)
-    many_one = build_sparsifier(name, density=density)
+    sparsifier, options = parse_spec(name)
+    loop_one = build_sparsifier(sparsifier, density=density, **options)
+    many_one = build_sparsifier(sparsifier, density=density, **options)
 
     def loop():
         return [loop_one.select(t, key=key, k=k) for t, key, k in zip(tensors, keys, ks)]
@@ -228,7 +247,7 @@ def markdown(rows: list[dict], header: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few rounds (smoke run)")
-    parser.add_argument("--sparsifiers", nargs="*", default=["topk", "dgc"], help="sparsifier names")
+    parser.add_argument("--sparsifiers", nargs="*", default=["topk", "dgc"], help="sparsifier names, each with options after a colon if any (dgc:exact_below=0)")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per configuration")
     parser.add_argument(

@@ -18,7 +18,8 @@ BATCHED = ["topk", "dgc", "gaussiank", "sidco"]
 # every registered sparsifier, plus options that take other batched paths: dgc samples of many
 # widths (several width classes of drawn rows), another sidco fit
 VARIANTS = [(name, {}) for name in ALL] + [
-    ("dgc", {"min_sample": 64, "sample_ratio": 0.05}),
+    ("dgc", {"min_sample": 64, "sample_ratio": 0.05, "exact_below": 0}),
+    ("dgc", {"exact_below": 0}),
     ("sidco", {"distribution": "gpareto"}),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -242,7 +243,7 @@ def test_dgc_searches_inside_the_batch_without_another_pass(monkeypatch):
     keys = [f"w{i}" for i in range(len(tensors))]
     searched = 0
     for step in range(3):
-        looped, many = build_sparsifier("dgc", density=0.01), build_sparsifier("dgc", density=0.01)
+        looped, many = (build_sparsifier("dgc", density=0.01, exact_below=0) for _ in range(2))
         for sparsifier in (looped, many):
             sparsifier.step = step
         expected = [looped.select(t, key=key) for t, key in zip(tensors, keys)]

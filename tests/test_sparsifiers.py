@@ -41,7 +41,14 @@ THRESHOLD = ["dgc", "gaussiank", "redsync", "sidco", "threshold_reuse"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # a variety of sidco fits
-VARIANTS = [(name, {}) for name in ALL] + [("sidco", {"distribution": d}) for d in ("gpareto", "gamma")]
+# dgc selects tensors below exact_below elements by their exact top-k: exact_below=0 keeps its
+# sampled threshold at every size the tests use
+VARIANTS = (
+    [(name, {}) for name in ALL]
+    + [("sidco", {"distribution": d}) for d in ("gpareto", "gamma")]
+    + [("dgc", {"exact_below": 0})]
+)
+VARIANT_IDS = [f"{n}-{o.get('distribution', '')}{'sampled' if 'exact_below' in o else ''}" for n, o in VARIANTS]
 
 
 
@@ -157,7 +164,7 @@ def test_class_flags():
 
 
 # --------------------------------------------------------------------------- the selection contract
-@pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}-{o.get('distribution', '')}" for n, o in VARIANTS])
+@pytest.mark.parametrize("name, options", VARIANTS, ids=VARIANT_IDS)
 @PROPERTY
 @given(
     shape=shapes,
@@ -188,7 +195,7 @@ def test_selection_contract(name, options, shape, dtype, density, use_k, seed, k
     check_contract(sparsifier, x, k)  # a second step (stateful sparsifiers take another path)
 
 
-@pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}-{o.get('distribution', '')}" for n, o in VARIANTS])
+@pytest.mark.parametrize("name, options", VARIANTS, ids=VARIANT_IDS)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     numel=st.sampled_from([1, 300, 4095, 4097, 20_000, (1 << 16) + 5, 150_001]),
@@ -383,7 +390,7 @@ def test_dgc_selects_in_one_pass_over_the_tensor(monkeypatch):
     passes = []
     original = selection.indices_at_least
     monkeypatch.setattr(selection, "indices_at_least", lambda flat, t: passes.append(t) or original(flat, t))
-    dgc = build_sparsifier("dgc", density=0.01)
+    dgc = build_sparsifier("dgc", density=0.01, exact_below=0)
     generator = torch.Generator().manual_seed(3)
     calls = 0
     for step in range(8):
@@ -469,10 +476,33 @@ def test_threshold_reuse_reuses_then_refreshes():
 def test_dgc_honours_the_per_tensor_k():
     """The threshold comes from the budget k (a fusion policy's), not the configured density."""
     x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(2))
-    s = build_sparsifier("dgc", density=0.001)
-    for k in (50, 700, 3000):
-        _, idx = s.select(x, k=k)
-        assert 0.9 * k <= idx.numel() <= k
+    for exact_below in (0, 1 << 18):
+        s = build_sparsifier("dgc", density=0.001, exact_below=exact_below)
+        for k in (50, 700, 3000):
+            _, idx = s.select(x, k=k)
+            assert 0.9 * k <= idx.numel() <= k
+
+
+@pytest.mark.parametrize("numel", [5000, 70_000, (1 << 18) - 1])
+def test_dgc_below_exact_below_sends_the_exact_top_k(numel):
+    """A tensor below exact_below is sampled whole: its threshold is the exact k-th magnitude, so
+    dgc sends exactly the k largest magnitudes, alone and batched; at exact_below it samples
+    (fewer than k elements, as its count band allows, on most of these steps)."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    k = numel // 100
+    expected = set(torch.topk(x.abs(), k).indices.tolist())
+    exact = build_sparsifier("dgc", density=0.01)
+    _, alone = exact.select(x, key="w")
+    [(_, batched)] = exact.select_many([x], ["w"], [None])
+    assert set(alone.tolist()) == set(batched.tolist()) == expected
+    sampled = build_sparsifier("dgc", density=0.01, exact_below=numel)
+    counts = []
+    for _ in range(4):
+        _, idx = sampled.select(x, key="w")
+        counts.append(idx.numel())
+        assert set(idx.tolist()) <= expected and 0.9 * k <= idx.numel() <= k
+        sampled.advance()
+    assert min(counts) < k
 
 
 def test_gaussiank_threshold_on_gaussian_input_needs_no_correction():
@@ -688,7 +718,7 @@ def test_randomk_does_not_depend_on_python_hash_seed():
 
 
 # --------------------------------------------------------------------------- state
-@pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}-{o.get('distribution', '')}" for n, o in VARIANTS])
+@pytest.mark.parametrize("name, options", VARIANTS, ids=VARIANT_IDS)
 def test_state_dict_round_trip(name, options):
     """A sparsifier restored from a (pickled) state_dict continues exactly like the original."""
     original = build_sparsifier(name, density=0.02, **options)

@@ -14,10 +14,24 @@ from torch import Tensor
 
 from ssfusion_lightning.sparsifiers import batched
 from ssfusion_lightning.sparsifiers.base import SPARSIFIERS, ThresholdSparsifier, stable_hash
-from ssfusion_lightning.sparsifiers.selection import Candidates, kth_largests, sample_magnitudes, search_threshold
+from ssfusion_lightning.sparsifiers.selection import (
+    Candidates,
+    kth_largests,
+    sample_magnitudes,
+    search_threshold,
+    topk_indices,
+)
 
 #: z-score of the margin between the budget's sampled rank and the search floor's
 FLOOR_Z = 3.0
+#: default ``exact_below``: tensors below this many elements are sampled whole. DGC samples so as not
+#: to pay for an exact selection, but the top-k kernels find the exact one sooner than a sampled
+#: threshold and its search find an approximate one at every size the engine selects in a batch on
+#: the host (below 2^18 elements), while a large tensor selected on its own is faster sampled. One
+#: core, 4 tensors of n elements, batched dgc against batched top-k (ms): n = 2K 0.47 / 0.41, 32K
+#: 1.17 / 0.73, 147K 3.11 / 2.25; one at a time, n = 590K: 1.58 / 3.20 (experiments/REPORT.md,
+#: "dgc selects tensors below 2^18 elements exactly").
+EXACT_BELOW = 1 << 18
 
 
 @SPARSIFIERS.register("dgc")
@@ -34,6 +48,11 @@ class DGCSparsifier(ThresholdSparsifier):
        tensor is made at a lower floor drawn from the same sample (``thresholds``), so every
        count the search makes above the floor, raising or lowering, is counted inside that set.
     4. Trim to at most k by exact top-k among the selected elements.
+
+    Tensors below ``exact_below`` elements are sampled whole, as tensors of at most ``min_sample``
+    elements are: their threshold is the exact k-th magnitude, so they send their exact top-k (k
+    elements, inside the count band), which the top-k kernels find (``selection.topk_indices``,
+    ``batched.exact_topk``). ``exact_below=0`` samples every tensor above ``min_sample``.
 
     Count band: (0.9, 1.0) x k -- never more than k; fewer than 0.9k only when ``max_adjust``
     rounds did not suffice (ties, e.g. mostly-zero tensors), and always at least one element.
@@ -54,6 +73,7 @@ class DGCSparsifier(ThresholdSparsifier):
         sample_ratio: float = 0.01,
         min_sample: int = 4096,
         max_adjust: int = 4,
+        exact_below: int = EXACT_BELOW,
         **options: Any,
     ) -> None:
         super().__init__(density=density, **options)
@@ -63,7 +83,10 @@ class DGCSparsifier(ThresholdSparsifier):
             raise ValueError(f"min_sample must be a positive integer, got {min_sample!r}")
         if isinstance(max_adjust, bool) or not isinstance(max_adjust, int) or max_adjust < 0:
             raise ValueError(f"max_adjust must be an integer >= 0, got {max_adjust!r}")
+        if isinstance(exact_below, bool) or not isinstance(exact_below, int) or exact_below < 0:
+            raise ValueError(f"exact_below must be an integer >= 0, got {exact_below!r}")
         self.sample_ratio = float(sample_ratio)
+        self.exact_below = exact_below
         self.min_sample = min_sample
         self.max_adjust = max_adjust
 
@@ -95,6 +118,9 @@ class DGCSparsifier(ThresholdSparsifier):
         if k >= flat.numel():
             indices = torch.arange(flat.numel(), device=flat.device)
             return flat.index_select(0, indices), indices
+        if flat.numel() < self.exact_below:
+            indices = topk_indices(flat, k)
+            return flat.index_select(0, indices), indices
         candidates = Candidates(flat)
         threshold, floor = self.thresholds(self.sample(flat, key), k, flat.numel())
         if 0 < floor < threshold:
@@ -106,7 +132,20 @@ class DGCSparsifier(ThresholdSparsifier):
     def select_many(
         self, tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int | None]
     ) -> list[tuple[Tensor, Tensor]]:
-        return batched.select_many(self, tensors, keys, ks, self._select_batch)
+        is_exact = [t.numel() < self.exact_below for t in tensors]
+        if not any(is_exact):
+            return batched.select_many(self, tensors, keys, ks, self._select_batch)
+        exact = [i for i, e in enumerate(is_exact) if e]
+        sampled = [i for i, e in enumerate(is_exact) if not e]
+        out: list[Any] = [None] * len(tensors)
+        for members, kernel in ((exact, batched.exact_topk), (sampled, self._select_batch)):
+            if members:
+                picked = batched.select_many(
+                    self, [tensors[i] for i in members], [keys[i] for i in members], [ks[i] for i in members], kernel
+                )
+                for i, result in zip(members, picked):
+                    out[i] = result
+        return out
 
     def _select_batch(
         self, batch: batched.FlatBatch, tensors: Sequence[Tensor], keys: Sequence[str], ks: Sequence[int]
