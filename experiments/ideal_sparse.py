@@ -106,7 +106,7 @@ class Combiner:
             return [torch.stack(grads).mean(0) for grads in zip(*per_worker)]
         if self.scheme == "powersgd":
             return [self._powersgd(index, list(grads), step) for index, grads in enumerate(zip(*per_worker))]
-        totals = [torch.zeros(g.numel()) for g in per_worker[0]]
+        totals = [torch.zeros(g.numel(), dtype=g.dtype) for g in per_worker[0]]
         for worker, grads in enumerate(per_worker):
             compensated = [self._compensate(index, worker, g.reshape(-1)) for index, g in enumerate(grads)]
             sparse = [i for i, c in enumerate(compensated) if c.numel() > self.dense_below]
@@ -162,11 +162,11 @@ class Combiner:
         matrices = []
         for worker, grad in enumerate(grads):
             state = self.state.setdefault((index, worker), {})
-            matrices.append(grad.reshape(rows, cols) + state.get("e", torch.zeros(rows, cols)))
+            matrices.append(grad.reshape(rows, cols) + state.get("e", torch.zeros(rows, cols, dtype=grad.dtype)))
         shared = self.state.setdefault((index, -1), {})
         if "q" not in shared:
             generator = torch.Generator().manual_seed(index)
-            shared["q"] = torch.randn(cols, rank, generator=generator)
+            shared["q"] = torch.randn(cols, rank, generator=generator).to(grads[0].dtype)
         q = shared["q"]
         p = torch.stack([m @ q for m in matrices]).mean(0)
         p, _ = torch.linalg.qr(p)
