@@ -348,3 +348,47 @@ def test_compensating_into_a_buffer_gives_compensate_bits(memory_name, options, 
         assert torch.equal(out.reshape(-1).view(torch.int32), expected.reshape(-1).contiguous().view(torch.int32))
         assert fused[:4].isnan().all() and fused[-4:].isnan().all()  # nothing written beside the slice
         memory.update("w", grad, expected.reshape(-1).abs().topk(10).indices, loss_scale=scale)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
+    sparse_first=st.lists(st.booleans(), min_size=2, max_size=6),
+)
+def test_dgc_dense_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, dtype, sparse_first):
+    """A buffer's dense slots compensated and settled together (foreach calls) give exactly what
+    ``compensate_dense`` and ``settle_dense`` give one at a time, over rounds where some tensors are
+    new and some still owe a velocity from a round they were sent sparse."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(3, 2), (5,), (2, 2, 2), (7,), (1,), (4, 3)][: len(sparse_first)]
+    keys = [f"p{i}" for i in range(len(shapes))]
+    together, alone = build_memory("dgc", momentum=0.9), build_memory("dgc", momentum=0.9)
+    for step in range(3):
+        grads = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+        if step == 0:  # a sparse round first for some: they owe a velocity when they go dense
+            for key, grad, sparse in zip(keys, grads, sparse_first):
+                if sparse:
+                    for memory in (together, alone):
+                        memory.compensate(key, grad)
+                        memory.update(key, grad, torch.tensor([0]))
+            continue
+        many = together.compensate_dense_many(keys, grads)
+        one = [alone.compensate_dense(key, grad) for key, grad in zip(keys, grads)]
+        for a, b in zip(many, one):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        together.settle_dense_many(keys, grads)
+        for key, grad in zip(keys, grads):
+            alone.settle_dense(key, grad)
+        for key in keys:
+            assert torch.equal(together.momenta[key], alone.momenta[key])
+            assert key not in together.velocities and key not in alone.velocities
+
+
+def test_dgc_dense_slots_settled_together_refuse_a_non_finite_gradient_by_name():
+    memory = build_memory("dgc")
+    keys, grads = ["a", "b"], [torch.ones(3), torch.tensor([1.0, float("nan")])]
+    memory.compensate_dense_many(keys, grads)
+    with pytest.raises(FloatingPointError, match="'b'"):
+        memory.settle_dense_many(keys, grads)
+    assert "b" not in memory.momenta  # the NaN never entered its state

@@ -66,14 +66,20 @@ class ErrorFeedback:
         """A tensor sent dense: its gradient plus any state it still owes; None when it owes none."""
         return self.memory.compensate_dense(key, grad, loss_scale=self.loss_scale)
 
+    def compensate_dense_many(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[Tensor | None]:
+        """``compensate_dense`` of several tensors."""
+        return self.memory.compensate_dense_many(keys, grads, loss_scale=self.loss_scale)
+
     def commit(self, updates: Sequence[PendingUpdate], applied: Tensor | None) -> None:
         """The round's result is in: keep what was not sent. ``applied``: the positions in the
         buffer's sparse part that the result applied (Ok-Topk keeps about k of the sum); None when
         everything sent was applied."""
+        dense = [update for update in updates if update.sent is None]
+        if dense:
+            self.memory.settle_dense_many([u.key for u in dense], [u.grad for u in dense], loss_scale=self.loss_scale)
         for update in updates:
             sent = update.sent
             if sent is None:
-                self.memory.settle_dense(update.key, update.grad, loss_scale=self.loss_scale)
                 continue
             if applied is not None:
                 sent = sent[torch.isin(sent + update.offset, applied.to(sent.device))]
@@ -177,8 +183,8 @@ class FusionPolicy(ABC):
         concatenation and one scaling per run of adjacent slots instead of a call per tensor (the
         per-tensor dispatch cost the dense engine more CPU than DDP's C++ bucket copy)."""
         pieces, run, sources = [], [], []
-        for slot, grad in zip(slots, grads):
-            compensated = ctx.feedback.compensate_dense(slot.name, grad)
+        owed = ctx.feedback.compensate_dense_many([slot.name for slot in slots], grads)
+        for slot, grad, compensated in zip(slots, grads, owed):
             source = grad if compensated is None else compensated
             pieces.append(Piece(update=None if compensated is None else PendingUpdate(slot.name, grad, None, slot.offset)))
             if not source.is_contiguous():
