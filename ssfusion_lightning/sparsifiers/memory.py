@@ -392,7 +392,7 @@ class DGCMemory(Memory):
         _checked_commit(key, [momentum], [self.momenta])
 
     # A CNN's dense slots are dozens of small tensors (biases, norms), where each op's dispatch costs
-    # more than its data: one at a time their momentum took 3.4 ms a step on the digits CNN's 48
+    # more than its data: one at a time their momentum took 3.4-4.8 ms a step on the digits CNN's 48
     # small tensors, against 0.01 ms for residual memory, which has nothing to do for them
     # (experiments/REPORT.md, "Momentum correction's dense slots in a few ops"). The many-tensor
     # forms below make the same operations, in the same order per tensor (so the same bits), as
