@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ssfusion_lightning.registry import Registry
-from ssfusion_lightning.sparsifiers.selection import is_all_finite, statistics_dtype
+from ssfusion_lightning.sparsifiers.selection import all_finite, is_all_finite, statistics_dtype
 
 
 class Memory(ABC):
@@ -114,14 +114,6 @@ def check_finite(key: str, tensor: Tensor, what: str = "compensated gradient") -
             f"non-finite values (NaN/Inf) in the {what} of {key!r}: refused by error feedback, "
             "its stored state is unchanged"
         )
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """True when no element of any of the tensors is NaN or +-Inf: one max-magnitude per tensor
-    in a single foreach call (a NaN or an Inf makes it non-finite)."""
-    if not tensors:
-        return True
-    return bool(torch.stack(torch._foreach_norm(list(tensors), math.inf)).isfinite().all())
 
 
 def _zero_at(tensor: Tensor, sent_indices: Tensor) -> None:
@@ -416,7 +408,7 @@ class DGCMemory(Memory):
         return list(compensated)
 
     def settle_dense_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> None:
-        if loss_scale is not None or self.clip_norm is not None or len(keys) < 2 or not all_finite(grads):
+        if loss_scale is not None or self.clip_norm is not None or len(keys) < 2 or not bool(all_finite(grads)):
             return super().settle_dense_many(keys, grads, loss_scale)  # names the first non-finite one
         for key, grad in zip(keys, grads):
             if self._fresh(key, grad):
@@ -427,7 +419,7 @@ class DGCMemory(Memory):
         momenta = torch._foreach_mul([self.momenta[key] for key in keys], self.momentum)
         torch._foreach_add_(momenta, list(grads))
         self.momenta.update(zip(keys, momenta))
-        if not all_finite(momenta):  # an overflow: that key's state goes, as one at a time
+        if not bool(all_finite(momenta)):  # an overflow: that key's state goes, as one at a time
             for key, momentum in zip(keys, momenta):
                 _checked_commit(key, [momentum], [self.momenta])
 

@@ -545,11 +545,20 @@ def abs_mean_max(flat: Tensor) -> tuple[float, float]:
 
 def is_all_finite(tensor: Tensor) -> bool:
     """True when no element of one tensor is NaN or +-Inf, as a Python bool (it waits for the
-    device): one cheap reduction, the exact check only on overflow. The engine's ``all_finite``
-    is the no-wait form: a 0-d bool tensor over a list of tensors."""
+    device): one cheap reduction, the exact check only on overflow. ``all_finite`` is the no-wait
+    form: a 0-d bool tensor over a list of tensors."""
     if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
         return True
     total = tensor.sum(dtype=statistics_dtype(tensor.dtype)) if tensor.is_floating_point() else tensor.sum()
     if bool(torch.isfinite(total)):
         return True
     return bool(torch.isfinite(tensor).all())  # the sum may have overflowed on finite values
+
+
+def all_finite(tensors: Sequence[Tensor]) -> Tensor:
+    """A 0-d bool tensor (no host sync): min and max propagate NaN and +-Inf, and one aminmax pass
+    costs a tenth of ``isfinite(t).all()`` on CPU."""
+    bounds = [bound for t in tensors if t.numel() for bound in torch.aminmax(t)]
+    if not bounds:
+        return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    return torch.isfinite(torch.stack(bounds)).all()
