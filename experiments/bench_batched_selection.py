@@ -25,6 +25,13 @@ Every round runs, in a rotating order so that no variant always follows the same
   ``abs`` of the flat buffer into kept scratch, one compare per tensor into a kept mask, and one
   ``flatnonzero`` of the mask, the cheapest primitives torch and numpy offer for each. Its ratio
   to abs(out=) (``floor_x_abs_out``) bounds from below what ``many`` can reach with them;
+- ``compiled_floor``, only where numba is installed (``pip install numba``; the project does not
+  depend on it): the same work as ``floor`` fused into one compiled loop over the flat buffer
+  (magnitude, compare with the tensor's known threshold, and the position appended when it
+  passes), the least any single pass that lists the candidates costs, whatever compiles it;
+- ``compiled_many``, for ``topk`` and only where numba is installed: experiments/compiled_topk.py,
+  the whole exact top-k compiled (the copy into a flat buffer, a sampled bound, one listing pass
+  and a quickselect per tensor), checked here to select what ``many`` selects;
 
 then ``advance()`` (the step changes dgc's samples). Reported per (threads, sparsifier): the
 medians in ms, their ratios to the abs() medians of the same run (``x_abs``, ``x_abs_out``),
@@ -76,6 +83,10 @@ FIELDS = [
     "speedup",
     "floor_ms",
     "floor_x_abs_out",
+    "compiled_floor_ms",
+    "compiled_floor_x_abs_out",
+    "compiled_many_ms",
+    "compiled_many_x_abs_out",
     "rounds",
 ]
 
@@ -137,6 +148,7 @@ def bench(name: str, density: float, rounds: int, generator: torch.Generator) ->
     for got, expected in zip(many(), loop()):  # warm-up, and a sanity check of the equality
         assert got[1].numel() == expected[1].numel()
     floor = selection_floor(tensors, density)
+    compiled = compiled_floor(tensors, density)
     variants = {
         "abs": lambda: reference.abs(),
         "abs_out": lambda: torch.abs(reference, out=out),
@@ -144,6 +156,11 @@ def bench(name: str, density: float, rounds: int, generator: torch.Generator) ->
         "many": many,
         "floor": floor,
     }
+    if compiled is not None:
+        variants["compiled_floor"] = compiled
+    whole = compiled_many(name, tensors, [many_one.resolve_k(t.numel(), None) for t in tensors], many())
+    if whole is not None:
+        variants["compiled_many"] = lambda: whole(tensors)
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     names = list(variants)
@@ -175,7 +192,27 @@ def bench(name: str, density: float, rounds: int, generator: torch.Generator) ->
         "speedup": round(medians["loop"] / medians["many"], 1),
         "floor_ms": round(1e3 * medians["floor"], 3),
         "floor_x_abs_out": round(medians["floor"] / medians["abs_out"], 2),
+        **compiled_columns("compiled_floor", medians, compiled is not None),
+        **compiled_columns("compiled_many", medians, whole is not None),
         "rounds": rounds,
+    }
+
+
+def known_thresholds(tensors: list[torch.Tensor], density: float) -> list[float]:
+    """Each tensor's exact k-th largest magnitude, k = max(1, floor(density n))."""
+    return [
+        float(t.reshape(-1).abs().kthvalue(t.numel() - max(1, math.floor(density * t.numel())) + 1).values)
+        for t in tensors
+    ]
+
+
+def compiled_columns(variant: str, medians: dict[str, float], ran: bool) -> dict[str, float | str]:
+    """A compiled variant's median and its ratio to abs(out=), blank where it did not run."""
+    if not ran:
+        return {f"{variant}_ms": "", f"{variant}_x_abs_out": ""}
+    return {
+        f"{variant}_ms": round(1e3 * medians[variant], 3),
+        f"{variant}_x_abs_out": round(medians[variant] / medians["abs_out"], 2),
     }
 
 
@@ -184,10 +221,7 @@ def selection_floor(tensors: list[torch.Tensor], density: float):
     flat copy, the thresholds and the scratch are made here, outside the timing."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     bounds = np.cumsum([0] + [t.numel() for t in tensors])
-    thresholds = [
-        float(t.reshape(-1).abs().kthvalue(t.numel() - max(1, math.floor(density * t.numel())) + 1).values)
-        for t in tensors
-    ]
+    thresholds = known_thresholds(tensors, density)
     magnitudes = torch.empty_like(flat)
     mask = np.empty(flat.numel(), dtype=bool)
     magnitudes_np = magnitudes.numpy()
@@ -203,20 +237,71 @@ def selection_floor(tensors: list[torch.Tensor], density: float):
     return floor
 
 
+def compiled_floor(tensors: list[torch.Tensor], density: float):
+    """The ``compiled_floor`` variant, or None without numba: ``floor``'s abs, compare and listing in
+    one compiled loop, compiled and checked here, outside the timing."""
+    try:
+        import numba
+    except ImportError:
+        return None
+
+    @numba.njit(nogil=True)
+    def scan(flat: np.ndarray, starts: np.ndarray, ends: np.ndarray, thresholds: np.ndarray, out: np.ndarray) -> int:
+        count = 0
+        for segment in range(starts.size):
+            threshold = thresholds[segment]
+            for j in range(starts[segment], ends[segment]):
+                if abs(flat[j]) >= threshold:
+                    out[count] = j
+                    count += 1
+        return count
+
+    flat = torch.cat([t.reshape(-1) for t in tensors]).numpy()
+    bounds = np.cumsum([0] + [t.numel() for t in tensors])
+    thresholds = np.asarray(known_thresholds(tensors, density), dtype=flat.dtype)
+    positions = np.empty(flat.size, dtype=np.int64)
+
+    def compiled() -> int:
+        return scan(flat, bounds[:-1], bounds[1:], thresholds, positions)
+
+    assert compiled() == sum(max(1, math.floor(density * t.numel())) for t in tensors)  # no ties in randn
+    return compiled
+
+
+def compiled_many(
+    name: str, tensors: list[torch.Tensor], ks: list[int], expected: list[tuple[torch.Tensor, torch.Tensor]]
+):
+    """The ``compiled_many`` variant for ``topk``, or None (another sparsifier, or no numba), after a
+    check that it selects exactly ``expected`` (``many``'s selection)."""
+    if name != "topk":
+        return None
+    try:
+        from experiments.compiled_topk import CompiledTopK
+    except ImportError:
+        return None
+    whole = CompiledTopK(tensors, ks)
+    for (values, positions), (want_values, want_positions) in zip(whole(tensors), expected):
+        order = torch.argsort(want_positions)
+        assert torch.equal(positions, want_positions[order]) and torch.equal(values, want_values[order])
+    return whole
+
+
 def markdown(rows: list[dict], header: str) -> str:
     lines = [
         header,
         "",
         "| threads | sparsifier | abs() ms | abs(out=) ms | loop ms | select_many ms | loop x abs() "
-        "| select_many x abs() | x abs(out=) | best x abs() | CPU time x abs(out=) | speed-up | floor ms | floor x abs(out=) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| select_many x abs() | x abs(out=) | best x abs() | CPU time x abs(out=) | speed-up | floor ms | floor x abs(out=) "
+        "| compiled floor ms | compiled floor x abs(out=) | compiled top-k ms | compiled top-k x abs(out=) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cpu = "" if r["many_cpu_x_abs_out"] == "" else f"{r['many_cpu_x_abs_out']:.2f}"
         lines.append(
             f"| {r['threads']} | {r['sparsifier']} | {r['abs_ms']:.3f} | {r['abs_out_ms']:.3f} | {r['loop_ms']:.2f} | "
             f"{r['many_ms']:.2f} | {r['loop_x_abs']:.1f} | {r['many_x_abs']:.2f} | {r['many_x_abs_out']:.2f} | "
-            f"{r['many_best_x_abs']:.2f} | {cpu} | {r['speedup']:.1f}x | {r['floor_ms']:.3f} | {r['floor_x_abs_out']:.2f} |"
+            f"{r['many_best_x_abs']:.2f} | {cpu} | {r['speedup']:.1f}x | {r['floor_ms']:.3f} | {r['floor_x_abs_out']:.2f} | "
+            f"{r['compiled_floor_ms']} | {r['compiled_floor_x_abs_out']} | {r['compiled_many_ms']} | {r['compiled_many_x_abs_out']} |"
         )
     checks = []
     for r in rows:
@@ -229,6 +314,11 @@ def markdown(rows: list[dict], header: str) -> str:
             f"{r['many_x_abs']:.2f}x abs(), {r['many_x_abs_out']:.2f}x abs(out=) (target <= {target}x, "
             f"judged on the larger): {'met' if met else 'NOT met'}; the primitives' floor alone is "
             f"{r['floor_x_abs_out']:.2f}x abs(out=)"
+            + "".join(
+                f", the {label} {r[field]:.2f}x"
+                for label, field in (("compiled floor", "compiled_floor_x_abs_out"), ("compiled top-k", "compiled_many_x_abs_out"))
+                if r[field] != ""
+            )
         )
     if checks:
         lines += ["", "Target of issue 14 (60 tensors, 2^20 elements, density 0.01, CPU):", *checks]
