@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import math
 import statistics
@@ -96,6 +97,42 @@ def test_fused_passes_variants_select_the_same_and_are_tabled(tmp_path):
     assert [r["variant"] for r in rows] == ["fresh", "reused", "chunk_fused"]
     assert float(next(r for r in rows if r["variant"] == "reused")["x_reused"]) == 1.0
     assert (tmp_path / "fused_passes.png").stat().st_size > 0
+
+
+def test_batched_selection_bench_checks_and_tables_each_sparsifier(tmp_path):
+    """One row per sparsifier, the floor beside it; the compiled columns are filled exactly where
+    numba is installed (the run checks the compiled top-k's selection before it times it)."""
+    from experiments import bench_batched_selection
+
+    assert bench_batched_selection.main(
+        ["--quick", "--threads", "1", "--sparsifiers", "topk", "dgc", "--out", str(tmp_path)]
+    ) == 0
+    rows = common.read_csv(tmp_path / "batched_selection.csv")
+    assert [r["sparsifier"] for r in rows] == ["topk", "dgc"]
+    assert all(float(r["floor_x_abs_out"]) > 0 and float(r["many_ms"]) > 0 for r in rows)
+    has_numba = importlib.util.find_spec("numba") is not None
+    assert [r["compiled_many_ms"] != "" for r in rows] == [has_numba, False]
+    assert "Target of issue 14" in (tmp_path / "batched_selection.md").read_text()
+
+
+def test_compiled_topk_selects_what_the_library_selects_ties_included():
+    pytest.importorskip("numba")
+    import torch
+
+    from experiments.compiled_topk import CompiledTopK
+    from ssfusion_lightning.sparsifiers import build_sparsifier
+
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(7, 3, 3, 3), (7,), (40, 900), (300,), (5000,)]
+    # small integers: many equal magnitudes at every cut, so the tie rule decides
+    tensors = [torch.randint(-6, 7, shape, generator=generator).float() for shape in shapes]
+    sparsifier = build_sparsifier("topk", density=0.05)
+    ks = [sparsifier.resolve_k(t.numel(), None) for t in tensors]
+    expected = sparsifier.select_many(tensors, [f"t{i}" for i in range(len(tensors))], [None] * len(tensors))
+    for (values, positions), (want_values, want_positions), k in zip(CompiledTopK(tensors, ks)(tensors), expected, ks):
+        order = torch.argsort(want_positions)
+        assert positions.numel() == k
+        assert torch.equal(positions, want_positions[order]) and torch.equal(values, want_values[order])
 
 
 def test_byte_formulas_follow_algorithms_section_7():
