@@ -299,6 +299,7 @@ class SSFusionStrategy(DDPStrategy):
         self.last_metrics: StepMetrics = StepMetrics()
         self._groups: list[dist.ProcessGroup] = []
         self._buffers_due = True
+        self._module_buffers: list[torch.Tensor] = []
         self._restored_state: dict[str, Any] | None = None
         self._final_engine_state: dict[str, Any] | None = None
 
@@ -329,6 +330,9 @@ class SSFusionStrategy(DDPStrategy):
         assert self.model is not None
         self._check_same_config_on_all_ranks()
         _sync_module_states(self.model)
+        # listed once, as DDP does: walking the module tree before every forward cost more than the
+        # broadcast of a small CNN's statistics
+        self._module_buffers = [b for b in self.model.buffers() if b.numel() > 0]
         self.engine = self._build_engine()
         if self._restored_state is not None:
             self._restore_engine(self._restored_state)
@@ -514,10 +518,8 @@ class SSFusionStrategy(DDPStrategy):
         """DDP's rule: broadcast buffers from rank 0 before a forward that follows a synchronized one."""
         if self.engine is None:
             return
-        if self.broadcast_buffers and self._buffers_due and _distributed_is_initialized():
-            buffers = [b for b in self.model.buffers() if b.numel() > 0]
-            if buffers:
-                dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 1024 * 1024, 0)
+        if self.broadcast_buffers and self._buffers_due and _distributed_is_initialized() and self._module_buffers:
+            dist._broadcast_coalesced(dist.group.WORLD, self._module_buffers, 250 * 1024 * 1024, 0)
         self._buffers_due = torch.is_grad_enabled() and self.engine.sync_enabled
 
     @override

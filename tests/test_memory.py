@@ -385,6 +385,62 @@ def test_dgc_dense_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, dtype
             assert key not in together.velocities and key not in alone.velocities
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(["residual", "dgc"]),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
+    channels_last=st.booleans(),
+    count=st.integers(2, 6),
+)
+def test_sparse_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, kind, dtype, channels_last, count):
+    """A buffer's batched sparse slots compensated and committed together (foreach calls) give
+    exactly what ``compensate`` and ``update`` give one at a time: the tensors selected from, the
+    stored state, and the masking at the sent positions, over rounds where keys are new, where one
+    changes shape, and where some were sent dense in between (DGC: no velocity owed)."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(2, 3, 2, 2), (5,), (3, 2), (7,), (1,), (4, 3)][:count]
+    keys = [f"p{i}" for i in range(count)]
+    options = {"momentum": 0.9} if kind == "dgc" else {}
+    together, alone = build_memory(kind, **options), build_memory(kind, **options)
+    for step in range(4):
+        if step == 2:
+            shapes[-1] = (shapes[-1][0] + 1,)  # a re-planned tensor of another size starts afresh
+        grads = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+        if channels_last:
+            grads[0] = grads[0].to(memory_format=torch.channels_last)
+        keys_now = keys[: count - 1] if step == 1 else keys  # the last one joins late
+        grads_now = grads[: len(keys_now)]
+        many = together.compensate_many(keys_now, grads_now)
+        one = [alone.compensate(key, grad) for key, grad in zip(keys_now, grads_now)]
+        for a, b in zip(many, one):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        sent = [torch.randperm(g.numel(), generator=generator)[: max(1, g.numel() // 3)] for g in grads_now]
+        together.update_many(keys_now, grads_now, sent, verified=True)
+        for key, grad, positions in zip(keys_now, grads_now, sent):
+            alone.update(key, grad, positions, verified=True)
+        for key in keys_now:
+            assert torch.equal(together.residual(key), alone.residual(key))
+            if kind == "dgc":
+                assert torch.equal(together.momenta[key], alone.momenta[key])
+        if kind == "dgc" and step == 0:  # the first key is sent dense once: its velocity is flushed
+            together.settle_dense_many(keys[:2], grads[:2])
+            for key, grad in zip(keys[:2], grads[:2]):
+                alone.settle_dense(key, grad)
+
+
+def test_sparse_slots_committed_together_unverified_still_refuse_a_non_finite_gradient_by_name():
+    """Without the engine's vote the many-tensor commit checks each gradient, as one at a time does."""
+    for kind in ("residual", "dgc"):
+        memory = build_memory(kind)
+        keys, grads = ["a", "b"], [torch.ones(3), torch.ones(3)]
+        memory.update_many(keys, grads, [torch.tensor([0]), torch.tensor([1])])
+        before = memory.residual("b").clone()
+        with pytest.raises(FloatingPointError, match="'b'"):
+            memory.update_many(keys, [torch.ones(3), torch.tensor([1.0, float("nan"), 0.0])], [torch.tensor([0])] * 2)
+        assert torch.equal(memory.residual("b"), before)  # the NaN never entered its state
+
+
 def test_dgc_dense_slots_settled_together_refuse_a_non_finite_gradient_by_name():
     memory = build_memory("dgc")
     keys, grads = ["a", "b"], [torch.ones(3), torch.tensor([1.0, float("nan")])]

@@ -51,7 +51,7 @@ class ErrorFeedback:
 
     def compensate_many(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[Tensor]:
         """``compensate`` of several tensors, checked together."""
-        return self._checked([self.memory.compensate(k, g, loss_scale=self.loss_scale) for k, g in zip(keys, grads)])
+        return self._checked(self.memory.compensate_many(keys, grads, loss_scale=self.loss_scale))
 
     def compensate_into(self, key: str, grad: Tensor, out: Tensor) -> Tensor:
         """``compensate`` written into ``out`` (a fused buffer's flat slice), with no temporary."""
@@ -77,13 +77,15 @@ class ErrorFeedback:
         dense = [update for update in updates if update.sent is None]
         if dense:
             self.memory.settle_dense_many([u.key for u in dense], [u.grad for u in dense], loss_scale=self.loss_scale)
-        for update in updates:
-            sent = update.sent
-            if sent is None:
-                continue
-            if applied is not None:
-                sent = sent[torch.isin(sent + update.offset, applied.to(sent.device))]
-            self.memory.update(update.key, update.grad, sent, loss_scale=self.loss_scale, verified=self.check is not None)
+        sparse = [update for update in updates if update.sent is not None]
+        if not sparse:
+            return
+        sent = [update.sent for update in sparse]
+        if applied is not None:
+            sent = [s[torch.isin(s + u.offset, applied.to(s.device))] for s, u in zip(sent, sparse)]
+        self.memory.update_many(
+            [u.key for u in sparse], [u.grad for u in sparse], sent, loss_scale=self.loss_scale, verified=self.check is not None
+        )
 
 
 @dataclass

@@ -76,6 +76,22 @@ class Memory(ABC):
         ``key`` any more (what the memory keeps beyond the residual, e.g. momentum, moves on)."""
         return None
 
+    def compensate_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> list[Tensor]:
+        """``compensate`` of several tensors (a buffer's batched sparse slots), in their order."""
+        return [self.compensate(key, grad, loss_scale) for key, grad in zip(keys, grads)]
+
+    def update_many(
+        self,
+        keys: Sequence[str],
+        grads: Sequence[Tensor],
+        sent_indices: Sequence[Tensor],
+        loss_scale: Tensor | None = None,
+        verified: bool = False,
+    ) -> None:
+        """``update`` of several tensors, in their order."""
+        for key, grad, sent in zip(keys, grads, sent_indices):
+            self.update(key, grad, sent, loss_scale, verified)
+
     def compensate_dense_many(
         self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None
     ) -> list[Tensor | None]:
@@ -209,6 +225,45 @@ class ResidualMemory(Memory):
         if not verified or loss_scale is not None:
             _checked_commit(key, [residual], [self.residuals])
         _zero_at(residual, sent_indices)
+
+    # The many-tensor forms make the same additions as foreach calls (one dispatch for a buffer's
+    # small tensors instead of one each); with a loss scale they take the one-at-a-time path.
+    def compensate_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> list[Tensor]:
+        owing = self._owing(keys, grads)
+        if loss_scale is not None or len(owing) < 2:
+            return super().compensate_many(keys, grads, loss_scale)
+        out: list[Tensor | None] = [None] * len(keys)
+        sums = torch._foreach_add([residual for _, residual in owing], [grads[i] for i, _ in owing])
+        for (i, _), total in zip(owing, sums):
+            out[i] = total
+        return [grad.clone(memory_format=torch.contiguous_format) if total is None else total for grad, total in zip(grads, out)]
+
+    def update_many(
+        self,
+        keys: Sequence[str],
+        grads: Sequence[Tensor],
+        sent_indices: Sequence[Tensor],
+        loss_scale: Tensor | None = None,
+        verified: bool = False,
+    ) -> None:
+        owing = self._owing(keys, grads)
+        if loss_scale is not None or not verified or len(owing) < 2:
+            return super().update_many(keys, grads, sent_indices, loss_scale, verified)
+        torch._foreach_add_([residual for _, residual in owing], [grads[i] for i, _ in owing])
+        for key, grad, sent in zip(keys, grads, sent_indices):
+            residual = self.residuals.get(key)
+            if residual is None or residual.numel() != grad.numel():
+                residual = self.residuals[key] = grad.clone(memory_format=torch.contiguous_format)
+            _zero_at(residual, sent)
+
+    def _owing(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
+        """(position, residual in the gradient's shape) of the keys whose residual fits their gradient."""
+        owing = []
+        for i, (key, grad) in enumerate(zip(keys, grads)):
+            residual = self.residuals.get(key)
+            if residual is not None and residual.numel() == grad.numel():
+                owing.append((i, residual.view_as(grad)))
+        return owing
 
     def compensate_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor | None:
         return self.compensate(key, grad, loss_scale) if key in self.residuals else None
@@ -389,11 +444,45 @@ class DGCMemory(Memory):
     # (experiments/REPORT.md, "Momentum correction's dense slots in a few ops"). The many-tensor
     # forms below make the same operations, in the same order per tensor (so the same bits), as
     # foreach calls; with a loss scale or clipping they take the one-at-a-time path.
+    def compensate_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> list[Tensor]:
+        if loss_scale is not None or self.clip_norm is not None or len(keys) < 2:
+            return super().compensate_many(keys, grads, loss_scale)
+        return self._compensate_together(keys, grads)
+
+    def update_many(
+        self,
+        keys: Sequence[str],
+        grads: Sequence[Tensor],
+        sent_indices: Sequence[Tensor],
+        loss_scale: Tensor | None = None,
+        verified: bool = False,
+    ) -> None:
+        if loss_scale is not None or self.clip_norm is not None or not verified or len(keys) < 2:
+            return super().update_many(keys, grads, sent_indices, loss_scale, verified)
+        for key, grad in zip(keys, grads):
+            if self._fresh(key, grad):
+                self.momenta[key] = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
+                self.velocities.pop(key, None)
+        momenta = self._momenta_stepped(keys, grads)
+        owing = [(key, momentum) for key, momentum in zip(keys, momenta) if key in self.velocities]
+        if owing:
+            torch._foreach_add_([self.velocities[key] for key, _ in owing], [momentum for _, momentum in owing])
+        for key, momentum, sent in zip(keys, momenta, sent_indices):
+            velocity = self.velocities.get(key)
+            if velocity is None:
+                velocity = self.velocities[key] = momentum.clone()
+            _zero_at(velocity, sent)
+            _zero_at(momentum, sent)
+
     def compensate_dense_many(
         self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None
     ) -> list[Tensor | None]:
         if loss_scale is not None or self.clip_norm is not None or len(keys) < 2:
             return super().compensate_dense_many(keys, grads, loss_scale)
+        return list(self._compensate_together(keys, grads))
+
+    def _compensate_together(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[Tensor]:
+        """``compensate`` of each key with no loss scale and no clipping, as foreach calls."""
         fresh = [self._fresh(key, grad) for key, grad in zip(keys, grads)]
         momenta = [
             torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device) if new else self.momenta[key]
@@ -407,6 +496,15 @@ class DGCMemory(Memory):
             torch._foreach_add_([compensated[i] for i, _ in owing], [velocity for _, velocity in owing])
         return list(compensated)
 
+    def _momenta_stepped(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[Tensor]:
+        """u <- momentum * u + g for every key, stored and returned. Out of place: the in-place
+        foreach multiply rounds the factor to a half-precision state's dtype first, where ``mul_``
+        does not."""
+        momenta = torch._foreach_mul([self.momenta[key] for key in keys], self.momentum)
+        torch._foreach_add_(momenta, list(grads))
+        self.momenta.update(zip(keys, momenta))
+        return momenta
+
     def settle_dense_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> None:
         if loss_scale is not None or self.clip_norm is not None or len(keys) < 2 or not bool(all_finite(grads)):
             return super().settle_dense_many(keys, grads, loss_scale)  # names the first non-finite one
@@ -414,11 +512,7 @@ class DGCMemory(Memory):
             if self._fresh(key, grad):
                 self.momenta[key] = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
             self.velocities.pop(key, None)
-        # out of place: the in-place foreach multiply rounds the factor to a half-precision state's
-        # dtype first, where ``mul_`` does not
-        momenta = torch._foreach_mul([self.momenta[key] for key in keys], self.momentum)
-        torch._foreach_add_(momenta, list(grads))
-        self.momenta.update(zip(keys, momenta))
+        momenta = self._momenta_stepped(keys, grads)
         if not bool(all_finite(momenta)):  # an overflow: that key's state goes, as one at a time
             for key, momentum in zip(keys, momenta):
                 _checked_commit(key, [momentum], [self.momenta])
