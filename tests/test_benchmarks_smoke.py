@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -717,3 +718,28 @@ def test_timeline_spread_measures_the_ranks_drift_from_their_events():
     assert row["end_gap_ms"] == [20.0, 30.0]  # 10, 20 and 30 ms: median 20, 75th percentile 30
     # a rank's last collective after its own backward end, the larger rank's a step: 3, 1 and 10 ms
     assert row["tail_ms"] == [3.0, 10.0]
+
+
+def test_rank_cpu_reads_each_threads_cpu_and_names_its_kind():
+    """The /proc reading rank_cpu sums per thread kind: a busy main thread's CPU time grows while an
+    idle helper thread's does not, and gloo's thread names are told apart from the engine's."""
+    import threading
+    import time
+
+    from experiments.rank_cpu import thread_cpu, thread_kind
+
+    pid, stop = os.getpid(), threading.Event()
+    idle = threading.Thread(target=stop.wait, daemon=True)
+    idle.start()
+    before = thread_cpu([pid])
+    started = time.thread_time()
+    while time.thread_time() - started < 0.3:
+        pass
+    after = thread_cpu([pid])
+    stop.set()
+    grown = {key: after[key][1] - before[key][1] for key in before if key in after}
+    assert grown[(pid, pid)] >= 0.2  # the busy loop, in clock ticks
+    assert grown[(pid, idle.native_id)] <= 0.05
+    assert thread_kind(pid, pid, "python") == "main thread"
+    assert thread_kind(pid, pid + 1, "gloo_tcp_loop") == "gloo threads"
+    assert thread_kind(pid, pid + 1, "python") == "other threads (engine workers)"

@@ -861,6 +861,7 @@ class FusionEngine:
         if owned:
             self._release_local_gradients(buffer, encoded, written)
             sparse = sparse.dense(self._decode_storage_for(buffer, sparse) if globally_used is None else None)
+        targets, values = [], []
         for slot in written:
             param = self.params[slot.param]
             part = sparse if slot.sparse else reduced.dense
@@ -873,7 +874,11 @@ class FusionEngine:
                 # in the parameter's memory format (channels_last stays channels_last), as DDP's are
                 param.grad = torch.empty_like(param).copy_(value)
             else:
-                param.grad.copy_(value)
+                targets.append(param.grad)
+                values.append(value)
+        if targets:
+            # one call for a CNN's dozens of small gradients, where each copy's dispatch outweighs its data
+            torch._foreach_copy_(targets, values)
 
     def _decode_storage_for(self, buffer: Buffer, total: SparseSum) -> Tensor | None:
         """Host memory kept between rounds to decode a buffer's sparse sum into; None on a GPU.

@@ -497,12 +497,18 @@ class DGCMemory(Memory):
         return list(compensated)
 
     def _momenta_stepped(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[Tensor]:
-        """u <- momentum * u + g for every key, stored and returned. Out of place: the in-place
-        foreach multiply rounds the factor to a half-precision state's dtype first, where ``mul_``
-        does not."""
-        momenta = torch._foreach_mul([self.momenta[key] for key in keys], self.momentum)
+        """u <- momentum * u + g for every key, stored and returned. In place where the state is
+        single or double precision: new tensors the size of a transformer's weights come as fresh
+        pages, faulted in as they are written (2.5x the time of the in-place update on gpt2's).
+        Out of place in half precision: there the in-place foreach multiply rounds the factor to
+        the state's dtype first, where ``mul_`` does not."""
+        momenta = [self.momenta[key] for key in keys]
+        if all(momentum.dtype in (torch.float32, torch.float64) for momentum in momenta):
+            torch._foreach_mul_(momenta, self.momentum)
+        else:
+            momenta = torch._foreach_mul(momenta, self.momentum)
+            self.momenta.update(zip(keys, momenta))
         torch._foreach_add_(momenta, list(grads))
-        self.momenta.update(zip(keys, momenta))
         return momenta
 
     def settle_dense_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> None:
