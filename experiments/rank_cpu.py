@@ -76,7 +76,10 @@ def perf_by_library(pid: int, seconds: float, workdir: Path) -> dict[str, float]
     for line in report.splitlines():
         parts = line.split()
         if len(parts) >= 3 and parts[0].endswith("%") and parts[1].isdigit():
-            samples[" ".join(parts[2:])] = int(parts[1]) / 499 / seconds
+            library = " ".join(parts[2:])
+            if library.startswith("[JIT]"):
+                library = "[JIT] (generated code: oneDNN's kernels)"
+            samples[library] = samples.get(library, 0.0) + int(parts[1]) / 499 / seconds
     return samples
 
 
