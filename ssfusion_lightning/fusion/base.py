@@ -82,7 +82,8 @@ class ErrorFeedback:
             return
         sent = [update.sent for update in sparse]
         if applied is not None:
-            sent = [s[torch.isin(s + u.offset, applied.to(s.device))] for s, u in zip(sent, sparse)]
+            applied = applied.to(sent[0].device)  # a buffer's tensors share one device
+            sent = [s[torch.isin(s + u.offset, applied)] for s, u in zip(sent, sparse)]
         self.memory.update_many(
             [u.key for u in sparse], [u.grad for u in sparse], sent, loss_scale=self.loss_scale, verified=self.check is not None
         )

@@ -250,11 +250,11 @@ class ResidualMemory(Memory):
         if loss_scale is not None or not verified or len(owing) < 2:
             return super().update_many(keys, grads, sent_indices, loss_scale, verified)
         torch._foreach_add_([residual for _, residual in owing], [grads[i] for i, _ in owing])
-        for key, grad, sent in zip(keys, grads, sent_indices):
-            residual = self.residuals.get(key)
-            if residual is None or residual.numel() != grad.numel():
-                residual = self.residuals[key] = grad.clone(memory_format=torch.contiguous_format)
-            _zero_at(residual, sent)
+        owed = {i for i, _ in owing}
+        for i, (key, grad, sent) in enumerate(zip(keys, grads, sent_indices)):
+            if i not in owed:
+                self.residuals[key] = grad.clone(memory_format=torch.contiguous_format)
+            _zero_at(self.residuals[key], sent)
 
     def _owing(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
         """(position, residual in the gradient's shape) of the keys whose residual fits their gradient."""
