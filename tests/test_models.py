@@ -429,6 +429,41 @@ def test_image_classifier_fits():
     assert task.hparams["lr"] == 0.05 and "model" not in task.hparams
 
 
+class _RecordingModel(torch.nn.Module):
+    """Passes through to ``inner`` and keeps the logits of training forwards."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.logits = inner, []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        out = self.inner(images)
+        if self.training:
+            self.logits.append(out.detach().clone())
+        return out
+
+
+def test_train_accuracy_is_each_epochs_own():
+    """train/acc, logged at the epoch's end, is the accuracy of that epoch's training forwards only."""
+    L.seed_everything(0, verbose=False)
+    data = SyntheticImages(train_samples=48, val_samples=8, test_samples=8, batch_size=8)
+    model = _RecordingModel(build_model("resnet18", "tiny"))
+    task = ImageClassifier(model, num_classes=data.num_classes, lr=0.05)
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append((model.logits[-1].argmax(1) == batch[1]).float())
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_val_batches=0, logger=False, callbacks=[Record()],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(task, datamodule=data)
+    assert len(seen) == 12
+    last_epoch = torch.cat(seen[6:]).mean().item()
+    assert trainer.callback_metrics["train/acc"].item() == pytest.approx(last_epoch, abs=1e-6)
+    assert torch.cat(seen[:6]).mean().item() != pytest.approx(last_epoch, abs=1e-6)  # so the first epoch is not in it
+
+
 @pytest.mark.parametrize(("name", "objective"), [("gpt2", "causal"), ("lstm", "causal"), ("bert", "mlm")])
 def test_language_model_fits(name, objective):
     L.seed_everything(0, verbose=False)
