@@ -46,8 +46,10 @@ class ImageClassifier(Task):
     def on_train_epoch_end(self) -> None:
         # Logged here, not from training_step: Lightning moves a logged metric object to its device
         # on every call (0.4 ms a step on one core), for a value it reads once an epoch anyway.
+        # compute() has synced it across ranks already; sync_dist averages equal values and keeps
+        # Lightning from warning that an epoch-level value was not synced.
         if self.train_acc.update_called:
-            self.log("train/acc", self.train_acc.compute())
+            self.log("train/acc", self.train_acc.compute(), sync_dist=True)
         self.train_acc.reset()
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
