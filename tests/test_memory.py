@@ -350,39 +350,59 @@ def test_compensating_into_a_buffer_gives_compensate_bits(memory_name, options, 
         memory.update("w", grad, expected.reshape(-1).abs().topk(10).indices, loss_scale=scale)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
     sparse_first=st.lists(st.booleans(), min_size=2, max_size=6),
+    rounds=st.lists(st.sampled_from(["dense", "dense", "some_sparse", "subset", "reload", "reshape"]), min_size=3, max_size=8),
 )
-def test_dgc_dense_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, dtype, sparse_first):
-    """A buffer's dense slots compensated and settled together (foreach calls) give exactly what
-    ``compensate_dense`` and ``settle_dense`` give one at a time, over rounds where some tensors are
-    new and some still owe a velocity from a round they were sent sparse."""
+def test_dgc_dense_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, dtype, sparse_first, rounds):
+    """A buffer's dense slots compensated and settled together (foreach calls, or one flat tensor
+    once their momenta exist) give exactly what ``compensate_dense`` and ``settle_dense`` give one
+    at a time: over rounds where some tensors are new, some still owe a velocity from a round they
+    were sent sparse, a plan takes a subset of them, the state is saved and loaded, or a tensor
+    changes shape."""
     generator = torch.Generator().manual_seed(seed)
     shapes = [(3, 2), (5,), (2, 2, 2), (7,), (1,), (4, 3)][: len(sparse_first)]
     keys = [f"p{i}" for i in range(len(shapes))]
     together, alone = build_memory("dgc", momentum=0.9), build_memory("dgc", momentum=0.9)
-    for step in range(3):
-        grads = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
-        if step == 0:  # a sparse round first for some: they owe a velocity when they go dense
-            for key, grad, sparse in zip(keys, grads, sparse_first):
-                if sparse:
-                    for memory in (together, alone):
-                        memory.compensate(key, grad)
-                        memory.update(key, grad, torch.tensor([0]))
-            continue
-        many = together.compensate_dense_many(keys, grads)
-        one = [alone.compensate_dense(key, grad) for key, grad in zip(keys, grads)]
+    flat_rounds = 0
+
+    def sparse_round(which: list[bool]) -> None:
+        for key, shape, sparse in zip(keys, shapes, which):
+            if sparse:
+                grad = torch.randn(shape, generator=generator).to(dtype)
+                for memory in (together, alone):
+                    memory.compensate(key, grad)
+                    memory.update(key, grad, torch.tensor([0]))
+
+    sparse_round(sparse_first)  # some owe a velocity when they go dense
+    for kind in ["dense", *rounds]:
+        if kind == "some_sparse":
+            sparse_round([not s for s in sparse_first])
+        elif kind == "reload":
+            together.load_state_dict(together.state_dict())
+        elif kind == "reshape":  # a re-planned tensor of another size starts afresh, and again when it changes back
+            shapes[0] = (4, 2) if shapes[0] == (3, 2) else (3, 2)
+        names = keys[: max(2, len(keys) - 1)] if kind == "subset" else keys
+        grads = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes[: len(names)]]
+        flat = together.compensate_dense_flat(names, grads)
+        many = together.compensate_dense_many(names, grads)
+        one = [alone.compensate_dense(key, grad) for key, grad in zip(names, grads)]
         for a, b in zip(many, one):
-            assert a.dtype == b.dtype and torch.equal(a, b)
-        together.settle_dense_many(keys, grads)
-        for key, grad in zip(keys, grads):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        if flat is not None:
+            flat_rounds += 1
+            assert torch.equal(flat, torch.cat([b.reshape(-1) for b in one]))
+        together.settle_dense_many(names, grads)
+        for key, grad in zip(names, grads):
             alone.settle_dense(key, grad)
-        for key in keys:
+        for key in names:
             assert torch.equal(together.momenta[key], alone.momenta[key])
             assert key not in together.velocities and key not in alone.velocities
+    if dtype != torch.float16 and rounds.count("dense") >= 2:
+        assert flat_rounds > 0  # the flat form was exercised, not only the foreach one
 
 
 @settings(max_examples=25, deadline=None)

@@ -70,6 +70,10 @@ class ErrorFeedback:
         """``compensate_dense`` of several tensors."""
         return self.memory.compensate_dense_many(keys, grads, loss_scale=self.loss_scale)
 
+    def compensate_dense_flat(self, keys: Sequence[str], grads: Sequence[Tensor]) -> Tensor | None:
+        """``compensate_dense`` of several tensors as one flat tensor, where the memory has that form."""
+        return self.memory.compensate_dense_flat(keys, grads, loss_scale=self.loss_scale)
+
     def commit(self, updates: Sequence[PendingUpdate], applied: Tensor | None) -> None:
         """The round's result is in: keep what was not sent. ``applied``: the positions in the
         buffer's sparse part that the result applied (Ok-Topk keeps about k of the sum); None when
@@ -185,8 +189,15 @@ class FusionPolicy(ABC):
         """Dense slots that all have a gradient, written as ``compress_slot`` writes each, but one
         concatenation and one scaling per run of adjacent slots instead of a call per tensor (the
         per-tensor dispatch cost the dense engine more CPU than DDP's C++ bucket copy)."""
+        names = [slot.name for slot in slots]
+        one_run = all(a.offset + a.numel == b.offset for a, b in zip(slots, slots[1:]))
+        if one_run and dense_out.dtype == grads[0].dtype:
+            flat = ctx.feedback.compensate_dense_flat(names, grads)
+            if flat is not None:  # every slot owes state, and the memory gave it all in one tensor
+                torch.mul(flat, ctx.scale, out=dense_out[slots[0].offset : slots[-1].offset + slots[-1].numel])
+                return [Piece(update=PendingUpdate(slot.name, grad, None, slot.offset)) for slot, grad in zip(slots, grads)]
         pieces, run, sources = [], [], []
-        owed = ctx.feedback.compensate_dense_many([slot.name for slot in slots], grads)
+        owed = ctx.feedback.compensate_dense_many(names, grads)
         for slot, grad, compensated in zip(slots, grads, owed):
             source = grad if compensated is None else compensated
             pieces.append(Piece(update=None if compensated is None else PendingUpdate(slot.name, grad, None, slot.offset)))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -98,6 +99,14 @@ class Memory(ABC):
         """``compensate_dense`` of several tensors (a buffer's dense slots), in their order."""
         return [self.compensate_dense(key, grad, loss_scale) for key, grad in zip(keys, grads)]
 
+    def compensate_dense_flat(
+        self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None
+    ) -> Tensor | None:
+        """What ``compensate_dense_many`` gives, as one new flat tensor (each key's in logical
+        row-major order, in the keys' order), where this memory has that form for these keys and
+        every one of them owes state; else None, and the caller takes ``compensate_dense_many``."""
+        return None
+
     def settle_dense_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> None:
         """``settle_dense`` of several tensors, in their order."""
         for key, grad in zip(keys, grads):
@@ -168,6 +177,22 @@ def _checked_commit(key: str, tensors: Sequence[Tensor], states: Sequence[dict[s
             for state in states:
                 state.pop(key, None)
             check_finite(key, tensor)
+
+
+@dataclass
+class _FlatMomenta:
+    """Several keys' momenta stored as ``views`` (in the keys' shapes) of one flat tensor."""
+
+    flat: Tensor
+    views: list[Tensor]
+    sizes: list[int]
+    shapes: tuple[torch.Size, ...]
+
+
+def _flat_of(tensors: Sequence[Tensor]) -> Tensor:
+    """The tensors' elements, each in logical row-major order, in one new flat tensor (vectors as
+    they are: a view of each costs more than its copy into the result)."""
+    return torch.cat([tensor if tensor.dim() == 1 else tensor.reshape(-1) for tensor in tensors])
 
 
 @MEMORIES.register("none")
@@ -318,6 +343,7 @@ class DGCMemory(Memory):
         self.momenta: dict[str, Tensor] = {}
         self.velocities: dict[str, Tensor] = {}
         self._clip_factors: dict[str, float] = {}  # taken by compensate, reused by the update that commits
+        self._flat: dict[tuple[str, ...], _FlatMomenta] = {}  # see ``_flat_momenta``
 
     def set_world_size(self, world_size: int) -> None:
         self.world_size = world_size
@@ -479,7 +505,19 @@ class DGCMemory(Memory):
     ) -> list[Tensor | None]:
         if loss_scale is not None or self.clip_norm is not None or len(keys) < 2:
             return super().compensate_dense_many(keys, grads, loss_scale)
-        return list(self._compensate_together(keys, grads))
+        compensated = self.compensate_dense_flat(keys, grads)
+        if compensated is None:
+            return list(self._compensate_together(keys, grads))
+        group = self._flat[tuple(keys)]
+        return [piece if len(shape) == 1 else piece.view(shape) for piece, shape in zip(compensated.split(group.sizes), group.shapes)]
+
+    def compensate_dense_flat(
+        self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None
+    ) -> Tensor | None:
+        if loss_scale is not None or self.clip_norm is not None or len(keys) < 2:
+            return None
+        group = self._flat_momenta(keys, grads)
+        return None if group is None else torch.mul(group.flat, self.momentum).add_(_flat_of(grads))
 
     def _compensate_together(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[Tensor]:
         """``compensate`` of each key with no loss scale and no clipping, as foreach calls."""
@@ -512,7 +550,19 @@ class DGCMemory(Memory):
         return momenta
 
     def settle_dense_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> None:
-        if loss_scale is not None or self.clip_norm is not None or len(keys) < 2 or not bool(all_finite(grads)):
+        if loss_scale is not None or self.clip_norm is not None or len(keys) < 2:
+            return super().settle_dense_many(keys, grads, loss_scale)
+        group = self._flat_momenta(keys, grads)
+        if group is not None:
+            flat_grad = _flat_of(grads)
+            if not is_all_finite(flat_grad):
+                return super().settle_dense_many(keys, grads, loss_scale)  # names the first non-finite one
+            group.flat.mul_(self.momentum).add_(flat_grad)
+            if not is_all_finite(group.flat):  # an overflow: that key's state goes, as one at a time
+                for key, momentum in zip(keys, group.views):
+                    _checked_commit(key, [momentum], [self.momenta])
+            return None
+        if not bool(all_finite(grads)):
             return super().settle_dense_many(keys, grads, loss_scale)  # names the first non-finite one
         for key, grad in zip(keys, grads):
             if self._fresh(key, grad):
@@ -522,6 +572,48 @@ class DGCMemory(Memory):
         if not bool(all_finite(momenta)):  # an overflow: that key's state goes, as one at a time
             for key, momentum in zip(keys, momenta):
                 _checked_commit(key, [momentum], [self.momenta])
+
+    # A buffer's dense slots are dozens of tiny tensors (biases, norms), where even a foreach call
+    # pays a kernel per tensor: as foreach calls, the digits CNN's 49 took 0.41 ms to compensate and
+    # 0.67 ms to settle a step on one core. So once their momenta exist, the momenta of one call's
+    # keys move into one flat tensor whose views are the stored states, and the dense-slot forms
+    # above make each of their operations one op on it: elementwise the same, so the same bits.
+    def _flat_momenta(self, keys: Sequence[str], grads: Sequence[Tensor]) -> _FlatMomenta | None:
+        """The keys' momenta as views of one flat tensor, made on the first call that qualifies and
+        kept while every key's stored momentum is still its view (a fresh state, a load, a reset or
+        a half-precision step replaces them). None where the keys do not qualify: a key with no
+        momentum of its gradient's shape and dtype yet, one that still owes a velocity, or
+        momenta that are not all fp32 or all fp64 on one device."""
+        names = tuple(keys)
+        shapes = tuple(grad.shape for grad in grads)
+        group = self._flat.get(names)
+        if group is not None and group.shapes == shapes and all(
+            self.momenta.get(key) is view for key, view in zip(names, group.views)
+        ):
+            if all(grad.dtype == group.flat.dtype for grad in grads) and not any(key in self.velocities for key in names):
+                return group
+            return None
+        momenta = [self.momenta.get(key) for key in names]
+        first = momenta[0]
+        if (
+            first is None
+            or first.dtype not in (torch.float32, torch.float64)
+            or any(key in self.velocities for key in names)
+            or any(
+                m is None or m.shape != g.shape or m.dtype != first.dtype or g.dtype != first.dtype or m.device != first.device
+                for m, g in zip(momenta, grads)
+            )
+        ):
+            return None
+        flat = torch.cat([m.reshape(-1) for m in momenta])
+        sizes = [m.numel() for m in momenta]
+        views = [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
+        self.momenta.update(zip(names, views))
+        # a group that shares a key with this one no longer holds that key's state
+        for other in [other for other in self._flat if not set(other).isdisjoint(names)]:
+            del self._flat[other]
+        group = self._flat[names] = _FlatMomenta(flat, views, sizes, shapes)
+        return group
 
     def residual(self, key: str) -> Tensor | None:
         return self.velocities.get(key)
@@ -541,8 +633,10 @@ class DGCMemory(Memory):
             check_finite(key, velocities[key], "saved velocity")
         self.momenta, self.velocities = momenta, velocities
         self._clip_factors.clear()
+        self._flat.clear()
 
     def reset(self) -> None:
         self.momenta.clear()
         self.velocities.clear()
         self._clip_factors.clear()
+        self._flat.clear()
