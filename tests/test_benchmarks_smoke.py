@@ -743,3 +743,15 @@ def test_rank_cpu_reads_each_threads_cpu_and_names_its_kind():
     assert thread_kind(pid, pid, "python") == "main thread"
     assert thread_kind(pid, pid + 1, "gloo_tcp_loop") == "gloo threads"
     assert thread_kind(pid, pid + 1, "python") == "other threads (engine workers)"
+
+
+def test_dense_slots_bench_times_both_forms_and_checks_they_agree(tmp_path):
+    """bench_dense_slots times the flat form (it refuses to run if the form did not apply) against
+    the foreach one on the digits CNN's dense slots, and tables both steps."""
+    from experiments import bench_dense_slots
+
+    rows = bench_dense_slots.measure(count=43, rounds=3)
+    assert [what for what, _, _ in rows] == ["compensate and pack", "settle"]
+    assert all(a > 0 and b > 0 for _, a, b in rows)
+    assert bench_dense_slots.main(["--rounds", "2", "--out", str(tmp_path)]) == 0
+    assert "| settle |" in (tmp_path / "dense_slots.md").read_text()
