@@ -36,7 +36,7 @@ def measure(count: int, rounds: int, scale: float = 0.25) -> list[tuple[str, flo
     keys, grads = [name for name, _ in smallest], [torch.randn_like(p) for _, p in smallest]
     out = torch.empty(sum(g.numel() for g in grads))
     flat, foreach = DGCMemory(momentum=0.9), DGCMemory(momentum=0.9)
-    foreach._flat_momenta = lambda keys, grads: None  # the foreach forms only
+    foreach._dense_group = lambda keys, grads, loss_scale: None  # the foreach forms only
     for memory in (flat, foreach):
         memory.settle_dense_many(keys, grads)  # the momenta exist from here on, as after a plan's first step
 
@@ -63,6 +63,8 @@ def measure(count: int, rounds: int, scale: float = 0.25) -> list[tuple[str, flo
             times[key].append(time.perf_counter() - started)
     if not all(torch.equal(flat.momenta[k], foreach.momenta[k]) for k in keys):
         raise AssertionError("the flat and foreach forms left different momenta")
+    if foreach._flat._groups or not flat._flat._groups:
+        raise AssertionError("the forms compared are not foreach against flat")
     return [
         (what, statistics.median(times[(what, "foreach")]) * 1e3, statistics.median(times[(what, "flat")]) * 1e3)
         for what in ("compensate and pack", "settle")
