@@ -745,13 +745,14 @@ def test_rank_cpu_reads_each_threads_cpu_and_names_its_kind():
     assert thread_kind(pid, pid + 1, "python") == "other threads (engine workers)"
 
 
-def test_dense_slots_bench_times_both_forms_and_checks_they_agree(tmp_path):
-    """bench_dense_slots times the flat form (it refuses to run if the form did not apply) against
-    the foreach one on the digits CNN's dense slots, and tables both steps."""
-    from experiments import bench_dense_slots
+def test_flat_states_bench_times_both_forms_and_checks_they_agree(tmp_path):
+    """bench_flat_states times DGC's flat states against its foreach forms on the digits CNN's slots
+    (it refuses to run if the forms compared are not those, or end in different states) and tables
+    each step."""
+    from experiments import bench_flat_states
 
-    rows = bench_dense_slots.measure(count=43, rounds=3)
-    assert [what for what, _, _ in rows] == ["compensate and pack", "settle"]
+    rows = bench_flat_states.measure(dense=43, rounds=3)
+    assert [step for step, _, _ in rows] == list(bench_flat_states.STEPS)
     assert all(a > 0 and b > 0 for _, a, b in rows)
-    assert bench_dense_slots.main(["--rounds", "2", "--out", str(tmp_path)]) == 0
-    assert "| settle |" in (tmp_path / "dense_slots.md").read_text()
+    assert bench_flat_states.main(["--rounds", "2", "--out", str(tmp_path)]) == 0
+    assert "| sparse slots: commit |" in (tmp_path / "flat_states.md").read_text()
