@@ -26,11 +26,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from experiments.common import RESULTS
+from experiments.common import publish_md
 from ssfusion_lightning.models.factory import build_model
 from ssfusion_lightning.sparsifiers.memory import DGCMemory
 
@@ -103,11 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---:|",
         *(f"| {step} | {a:.3f} | {b:.3f} | {b / a:.2f} |" for step, a, b in rows),
     ]
-    text = "\n".join(lines)
-    print(text)
-    out = Path(args.out) if args.out else RESULTS
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.md").write_text(text + "\n")
+    publish_md("\n".join(lines), args.name, args.out)
     return 0
 
 

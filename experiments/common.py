@@ -33,6 +33,16 @@ def results_dir(args: argparse.Namespace, quick_name: str) -> tuple[Path, bool]:
     return out, not args.no_report and not args.quick and out.resolve() == RESULTS.resolve()
 
 
+def publish_md(text: str, name: str, out: str | None) -> Path:
+    """Print a result table and write it to <out or results>/<name>.md."""
+    print(text)
+    folder = Path(out) if out else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.md"
+    path.write_text(text + "\n")
+    return path
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.bench_e2e import run_world
-from experiments.common import RESULTS
+from experiments.common import publish_md
 
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
 
@@ -155,11 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             if share * step * 1e3 >= 0.1:
                 lines.append(f"| {library} | {share * step * 1e3:.1f} |")
     text = "\n".join(lines)
-    print(text)
     if args.name:
-        out = Path(args.out) if args.out else RESULTS
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.md").write_text(text + "\n")
+        publish_md(text, args.name, args.out)
+    else:
+        print(text)
     return 0
 
 
