@@ -15,7 +15,7 @@ from ssfusion_lightning.comm import COMMUNICATORS
 from ssfusion_lightning.commcost import Link
 from ssfusion_lightning.engine import engine as engine_module
 from ssfusion_lightning.engine.engine import FusionEngine
-from ssfusion_lightning.engine.trial import DENSE, DONE, FUSED, SPARSE, PlanTrial
+from ssfusion_lightning.engine.trial import CONFIRM, DENSE, DONE, FUSED, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import cut as cut_module
 from tests.workloads import Regressor, checkpoint_and_resume, make_trainer, regression_data
 
@@ -43,11 +43,25 @@ def test_dense_runs_only_where_its_all_reduce_leaves_it_a_chance():
     assert fast_link.samples == [] and slow_link.dense_seconds is None and slow_link.fused_seconds is None
 
 
-@pytest.mark.parametrize("dense_median, kept", [(0.06, True), (0.07, True), (0.08, False)])
-def test_dense_is_kept_where_its_agreed_median_is_at_most_the_sparse_one(dense_median, kept):
+@pytest.mark.parametrize("dense_median, confirm", [(0.06, True), (0.07, True), (0.08, False)])
+def test_dense_no_slower_than_sparse_measures_sparse_again(dense_median, confirm):
     trial = measured(PlanTrial(1, phase=DENSE, sparse_seconds=0.07), 1.0, dense_median - 0.005)
-    assert trial.end_dense(agreed(0.005)) == kept  # a tie keeps dense: it loses no accuracy
-    assert trial.phase == DONE and not trial.active and trial.dense_seconds == pytest.approx(dense_median)
+    assert trial.end_dense(agreed(0.005)) == (CONFIRM if confirm else DONE) == trial.phase
+    assert trial.dense_seconds == pytest.approx(dense_median) and not trial.dense_kept
+    assert trial.active == confirm  # a slower dense phase ends the trial on sparse at once
+
+
+@pytest.mark.parametrize(
+    "dense_median, again, kept",
+    # the sparse plan's step is the mean of its windows before (0.07) and after dense
+    [(0.06, 0.05, True), (0.06, 0.04, False), (0.065, 0.06, True), (0.07, 0.07, True), (0.07, 0.069, False)],
+)
+def test_dense_is_kept_where_its_median_is_at_most_the_mean_of_the_sparse_windows(dense_median, again, kept):
+    trial = PlanTrial(1, phase=DENSE, sparse_seconds=0.07)
+    assert measured(trial, 1.0, dense_median).end_dense(agreed(0.0)) == CONFIRM
+    assert measured(trial, 1.0, again - 0.005).end_confirm(agreed(0.005)) == kept  # a tie keeps dense: it loses no accuracy
+    assert trial.phase == DONE and not trial.active and trial.confirmed_seconds == pytest.approx(again)
+    assert trial.sparse_estimate == pytest.approx((0.07 + again) / 2) and trial.dense_kept == kept
 
 
 def test_a_fusable_plan_measures_one_buffer_before_dense():
@@ -70,18 +84,26 @@ def test_dense_competes_with_the_better_sparse_plan():
     assert ruled_out.end_fused(agreed(0.0), dense_floor=0.06) == DONE and not ruled_out.dense_kept
     trial = measured(PlanTrial(1, phase=FUSED, sparse_seconds=0.09), 1.0, 0.05)
     assert trial.end_fused(agreed(0.0), dense_floor=0.01) == DENSE
-    assert not measured(trial, 1.0, 0.06).end_dense(agreed(0.0)) and trial.fused_kept
+    assert measured(trial, 1.0, 0.06).end_dense(agreed(0.0)) == DONE and not trial.dense_kept and trial.fused_kept
     assert trial.summary() == "sparse 90 ms, one buffer 50 ms, dense 60 ms a step -> one buffer"
+    again = measured(PlanTrial(1, phase=DENSE, sparse_seconds=0.09, fused_seconds=0.05), 1.0, 0.045)
+    assert again.end_dense(agreed(0.0)) == CONFIRM
+    assert measured(again, 1.0, 0.06).end_confirm(agreed(0.0)) and again.sparse_estimate == pytest.approx(0.055)
+    assert again.summary() == "sparse 90 ms, one buffer 50 ms, dense 45 ms, sparse again 60 ms a step -> dense"
 
 
 def test_a_resumed_trial_measures_its_phase_again():
-    trial = PlanTrial(2, phase=DENSE, samples=[0.1], sparse_seconds=0.07, fused_seconds=0.06)
+    trial = PlanTrial(2, phase=CONFIRM, samples=[0.1], sparse_seconds=0.07, fused_seconds=0.06, dense_seconds=0.05)
     resumed = PlanTrial(2)
     resumed.load_state_dict(trial.state_dict())
-    assert (resumed.phase, resumed.sparse_seconds, resumed.fused_seconds, resumed.samples) == (DENSE, 0.07, 0.06, [])
-    before_fused = {"phase": SPARSE, "sparse_seconds": None, "dense_seconds": None}  # a checkpoint of an older version
-    resumed.load_state_dict(before_fused)
-    assert resumed.fused_seconds is None and resumed.phase == SPARSE
+    assert (resumed.phase, resumed.sparse_seconds, resumed.fused_seconds, resumed.dense_seconds, resumed.samples) == (
+        CONFIRM, 0.07, 0.06, 0.05, [],
+    )
+    # checkpoints of older versions: no one-buffer phase, then no confirm phase (dense kept on the first comparison)
+    resumed.load_state_dict({"phase": SPARSE, "sparse_seconds": None, "dense_seconds": None})
+    assert resumed.fused_seconds is None and resumed.confirmed_seconds is None and resumed.phase == SPARSE
+    resumed.load_state_dict({"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": None, "dense_seconds": 0.06})
+    assert resumed.confirmed_seconds is None and resumed.dense_kept
 
 
 def test_dense_trial_steps_is_an_auto_option_that_needs_the_fallback():
@@ -108,9 +130,11 @@ def slow_allreduce_and_floor(floor: float):
         FusionEngine._dense_floor, engine_module.measure_links = original
 
 
-def train_with_trial(steps: int, floor: float) -> dict:
+def train_with_trial(steps: int, floor: float, medians: dict[str, float] | None = None) -> dict:
     """comm=auto with a 2-step trial after the 3 profiled rounds (steps 1-3; costs from step 4 on):
-    the sparse phase times steps 4 to 6 (4 left out), the dense phase (where it runs) 7 to 9."""
+    the sparse phase times steps 4 to 6 (4 left out), the dense phase (where it runs) 7 to 9, the
+    sparse plan again (where dense measured no slower) 10 to 12. ``medians``: each phase's agreed
+    median, scripted (None: measured)."""
     L.seed_everything(0, verbose=False)
     model = Regressor(width=256)
     strategy = ssf.SSFusionStrategy(
@@ -124,7 +148,7 @@ def train_with_trial(steps: int, floor: float) -> dict:
             engine = strategy.engine
             plans.append((engine.step, all(not b.sparse_slots for b in engine.plan.buffers)))
 
-    with slow_allreduce_and_floor(floor):
+    with slow_allreduce_and_floor(floor), scripted_medians(medians):
         make_trainer(strategy, steps, callbacks=[PlanPerStep()]).fit(model, DataLoader(regression_data(), batch_size=16))
     state = strategy._final_engine_state
     return {
@@ -135,18 +159,58 @@ def train_with_trial(steps: int, floor: float) -> dict:
     }
 
 
+@contextmanager
+def scripted_medians(medians: dict[str, float] | None):
+    """The agreed median of each phase is ``medians[phase]`` (None: the engine's own agreement)."""
+    original = FusionEngine._agreed_max
+    if medians is not None:
+        FusionEngine._agreed_max = lambda self, value: medians[self._trial.phase]
+    try:
+        yield
+    finally:
+        FusionEngine._agreed_max = original
+
+
+def kept_dense(trial_state: dict) -> bool:
+    trial = PlanTrial(2)
+    trial.load_state_dict(trial_state)
+    return trial.dense_kept
+
+
 def test_every_rank_runs_the_trial_at_the_same_steps_and_decides_alike(pool2):
-    results = pool2.run(train_with_trial, 12, 0.0)
+    results = pool2.run(train_with_trial, 14, 0.0)
     first = results[0]
-    assert first["trial"]["phase"] == DONE and first["trial"]["dense_seconds"] is not None
-    assert all(r["trial"] == first["trial"] and r["all_dense"] == first["all_dense"] for r in results)
-    kept = first["trial"]["dense_seconds"] <= first["trial"]["sparse_seconds"]
-    assert first["dense_measured_faster"] == kept
+    trial = first["trial"]
+    assert trial["phase"] == DONE and trial["dense_seconds"] is not None
+    assert all(r["trial"] == trial and r["all_dense"] == first["all_dense"] for r in results)
+    confirmed = trial["dense_seconds"] <= trial["sparse_seconds"]
+    assert (trial["confirmed_seconds"] is not None) == confirmed
+    kept = kept_dense(trial)
+    assert first["dense_measured_faster"] == kept and (confirmed or not kept)
     dense_at = first["all_dense"]
-    # the model's plan before and in the sparse phase, dense in the dense phase, then the decision
+    # the model's plan before and in the sparse phase, dense in the dense phase, then the sparse plan
+    # again where dense measured no slower, then the decision
     assert not any(dense_at[step] for step in range(7)) and all(dense_at[step] for step in (7, 8, 9))
-    assert dense_at[10] == dense_at[11] == kept
+    decided_at = 13 if confirmed else 10
+    assert not any(dense_at[step] for step in range(10, decided_at))
+    assert all(dense_at[step] == kept for step in range(decided_at, 14))
     for rank, result in enumerate(results):
+        for name, value in result["params"].items():
+            assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
+
+
+@pytest.mark.parametrize("again, kept", [(0.05, True), (0.02, False)])
+def test_a_dense_phase_no_slower_is_checked_against_the_sparse_plan_measured_again(pool2, again, kept):
+    """Dense 0.05 s against sparse 0.07 s: the sparse plan runs again (steps 10-12), and dense is
+    kept where it is no slower than the mean of the two sparse windows (0.06 s; 0.045 s)."""
+    medians = {SPARSE: 0.07, DENSE: 0.05, CONFIRM: again}
+    results = pool2.run(train_with_trial, 15, 0.0, medians)
+    first = results[0]
+    expected = {"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": None, "dense_seconds": 0.05, "confirmed_seconds": again}
+    assert first["trial"] == expected and first["dense_measured_faster"] == kept
+    assert [first["all_dense"][step] for step in range(4, 15)] == [False] * 3 + [True] * 3 + [False] * 3 + [kept] * 2
+    for rank, result in enumerate(results):
+        assert result["trial"] == expected and result["all_dense"] == first["all_dense"]
         for name, value in result["params"].items():
             assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
 
@@ -172,7 +236,7 @@ def test_a_run_without_the_trial_saves_none(pool2):
 
 
 def resume_after_trial(path: str, floor: float) -> tuple[dict, dict, bool, bool]:
-    """Train through the trial (10 steps) and checkpoint, then resume to step 12: the trial's
+    """Train through the trial (13 steps) and checkpoint, then resume to step 15: the trial's
     outcome and the plan it kept come back as saved, and no phase runs again."""
     L.seed_everything(0, verbose=False)
     options = dict(
@@ -181,7 +245,7 @@ def resume_after_trial(path: str, floor: float) -> tuple[dict, dict, bool, bool]
     )
     with slow_allreduce_and_floor(floor):
         first, second, resumed = checkpoint_and_resume(
-            lambda: ssf.SSFusionStrategy(**options), path, 10, 12,
+            lambda: ssf.SSFusionStrategy(**options), path, 13, 15,
             lambda engine: {"all_dense": all(not b.sparse_slots for b in engine.plan.buffers)}, width=256,
         )
     saved = first._final_engine_state
@@ -193,7 +257,7 @@ def resume_after_trial(path: str, floor: float) -> tuple[dict, dict, bool, bool]
 def test_a_resumed_run_keeps_the_trials_outcome(pool2, tmp_path, floor):
     for saved, final, dense, resumed_dense in pool2.run(resume_after_trial, str(tmp_path / "trial.ckpt"), floor):
         assert saved["phase"] == DONE and final == saved
-        assert resumed_dense == dense == (floor == 0.0 and saved["dense_seconds"] <= saved["sparse_seconds"])
+        assert resumed_dense == dense == (floor == 0.0 and kept_dense(saved))
 
 
 @contextmanager
@@ -240,7 +304,9 @@ def train_with_fused_phase(steps: int, fused_median: float) -> dict:
 def test_every_rank_measures_one_buffer_and_keeps_the_faster_plan(pool2, fused_median, kept):
     results = pool2.run(train_with_fused_phase, 12, fused_median)
     first = results[0]
-    assert first["trial"] == {"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": fused_median, "dense_seconds": None}
+    assert first["trial"] == {
+        "phase": DONE, "sparse_seconds": 0.07, "fused_seconds": fused_median, "dense_seconds": None, "confirmed_seconds": None,
+    }
     assert first["fused_measured_faster"] == kept
     buffers = first["buffers"]
     cut = buffers[4]

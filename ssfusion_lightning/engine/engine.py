@@ -743,8 +743,10 @@ class FusionEngine:
             entered = trial.end_sparse(self._agreed_max, self._fusable(), self._dense_floor())
         elif trial.phase == FUSED:
             entered = trial.end_fused(self._agreed_max, self._dense_floor())
+        elif trial.phase == DENSE_PHASE:
+            entered = trial.end_dense(self._agreed_max)
         else:
-            trial.end_dense(self._agreed_max)
+            trial.end_confirm(self._agreed_max)
             entered = trial.phase
         if not trial.active and dist.get_rank() == 0:  # a trial runs only between ranks
             log.info("ssfusion: plan trial: %s", trial.summary())

@@ -25,8 +25,14 @@ user pays, the step:
    plan's step, dense cannot be faster: the trial ends there, with no dense step taken (slow
    links: no cost). Else ``dense``: as many step times with every buffer sent dense (DDP's
    buckets), agreed likewise;
-4. ``done``: dense stays where its median is at most the better sparse one's, else that sparse
-   plan returns.
+4. ``confirm``: where dense measured no slower, the better sparse plan again, as many steps,
+   agreed likewise. One window of a few steps on ranks that share cores cannot tell 5-15% apart
+   (a digits run at P = 4 on 2 cores: single steps of 72-287 ms in one sparse window), and it was
+   taken earlier, when the run was still settling: the time-to-accuracy table kept dense, slower
+   than sparse by 4-15%, in 2 of 7 trials (experiments/REPORT.md, "Time to accuracy on real
+   data"). The two sparse windows bracket the dense one, so their mean cancels a steady drift;
+5. ``done``: dense stays where its median is at most the sparse plan's (the mean of its two
+   windows where both ran), else that sparse plan returns.
 
 Every decision is made from agreed numbers at step counts every rank shares, so every rank
 switches plans at the same step.
@@ -38,7 +44,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-SPARSE, FUSED, DENSE, DONE = "sparse", "fused", "dense", "done"
+SPARSE, FUSED, DENSE, CONFIRM, DONE = "sparse", "fused", "dense", "confirm", "done"
 
 
 @dataclass
@@ -55,6 +61,8 @@ class PlanTrial:
     #: the agreed median step of the same sparse plan in one buffer (None: not measured)
     fused_seconds: float | None = None
     dense_seconds: float | None = None
+    #: the agreed median step of the better sparse plan measured again after dense (None: not measured)
+    confirmed_seconds: float | None = None
 
     @property
     def active(self) -> bool:
@@ -70,8 +78,16 @@ class PlanTrial:
         return self.fused_seconds if self.fused_kept else self.sparse_seconds
 
     @property
+    def sparse_estimate(self) -> float | None:
+        """The better sparse plan's step: the mean of its windows before and after dense where both ran."""
+        if self.confirmed_seconds is None:
+            return self.best_sparse_seconds
+        return (self.best_sparse_seconds + self.confirmed_seconds) / 2
+
+    @property
     def dense_kept(self) -> bool:
-        return self.dense_seconds is not None and self.dense_seconds <= self.best_sparse_seconds
+        """The trial has ended on dense (a tie keeps dense: it loses no accuracy)."""
+        return self.phase == DONE and self.dense_seconds is not None and self.dense_seconds <= self.sparse_estimate
 
     def record(self, seconds: float) -> bool:
         """One step's time in the current phase; True when the phase has all its steps."""
@@ -100,15 +116,25 @@ class PlanTrial:
         self.phase = self._after_sparse(dense_floor)
         return self.phase
 
-    def end_dense(self, agree: Callable[[float], float]) -> bool:
-        """Close the dense phase on the agreed median; True when dense is kept."""
+    def end_dense(self, agree: Callable[[float], float]) -> str:
+        """Close the dense phase on the agreed median; returns the phase entered: ``confirm`` where
+        dense measured no slower than the better sparse plan, else ``done`` (sparse kept)."""
         self.dense_seconds = self._agreed_median(agree)
+        self.phase = CONFIRM if self.dense_seconds <= self.best_sparse_seconds else DONE
+        return self.phase
+
+    def end_confirm(self, agree: Callable[[float], float]) -> bool:
+        """Close the second sparse window on the agreed median; True when dense is kept."""
+        self.confirmed_seconds = self._agreed_median(agree)
         self.phase = DONE
         return self.dense_kept
 
     def summary(self) -> str:
         """The measured medians and the kept plan, for the log."""
-        measured = [("sparse", self.sparse_seconds), ("one buffer", self.fused_seconds), ("dense", self.dense_seconds)]
+        measured = [
+            ("sparse", self.sparse_seconds), ("one buffer", self.fused_seconds), ("dense", self.dense_seconds),
+            ("sparse again", self.confirmed_seconds),
+        ]
         medians = ", ".join(f"{name} {1e3 * seconds:.3g} ms" for name, seconds in measured if seconds is not None)
         kept = "dense" if self.dense_kept else "one buffer" if self.fused_kept else "sparse"
         return f"{medians} a step -> {kept}"
@@ -116,7 +142,7 @@ class PlanTrial:
     def state_dict(self) -> dict[str, Any]:
         return {
             "phase": self.phase, "sparse_seconds": self.sparse_seconds, "fused_seconds": self.fused_seconds,
-            "dense_seconds": self.dense_seconds,
+            "dense_seconds": self.dense_seconds, "confirmed_seconds": self.confirmed_seconds,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -124,4 +150,5 @@ class PlanTrial:
         self.sparse_seconds = state["sparse_seconds"]
         self.fused_seconds = state.get("fused_seconds")  # absent in checkpoints written before the fused phase
         self.dense_seconds = state["dense_seconds"]
+        self.confirmed_seconds = state.get("confirmed_seconds")  # absent in checkpoints written before the confirm phase
         self.samples = []
