@@ -756,3 +756,23 @@ def test_flat_states_bench_times_both_forms_and_checks_they_agree(tmp_path):
     assert all(a > 0 and b > 0 for _, a, b in rows)
     assert bench_flat_states.main(["--rounds", "2", "--out", str(tmp_path)]) == 0
     assert "| sparse slots: commit |" in (tmp_path / "flat_states.md").read_text()
+
+
+# --------------------------------------------------------------------------- trial_replay.py
+def test_trial_replay_keeps_dense_exactly_where_every_window_says_it_is_faster():
+    from experiments import trial_replay
+
+    def run(cell, label, seconds, dense):
+        workload, world, link = cell
+        return {"workload": workload, "world": world, "phase": link, "label": label, "step_seconds": [seconds] * 300,
+                "engine": [{"sparse_tensors": 0 if dense else 5}] * 300}
+
+    runs = []
+    for cell, ((sparse_label, _), (dense_label, _)) in trial_replay.CELLS.items():
+        runs += [run(cell, sparse_label, 0.10, dense=False), run(cell, dense_label, 0.05, dense=True)]
+    rows = trial_replay.replay(runs, steps=8, draws=50, seed=0)
+    assert len(rows) == 2 * len(trial_replay.CELLS)
+    for row in rows:
+        swapped = row["cell"].endswith("(roles swapped)")
+        assert row["dense ms"] == (100.0 if swapped else 50.0)
+        assert row["one window"] == row["confirm"] == (0.0 if swapped else 1.0)
