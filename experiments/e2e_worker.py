@@ -14,6 +14,7 @@ the scheme's strategy; rank 0 appends one JSON line per run to ``spec["out"]``:
 - ``step_cpu_seconds``: the CPU time the whole rank process (every thread: autograd, gloo, the
   engine's workers) spent in the same intervals. Unlike wall time it does not grow while a rank
   waits for the scheduler or the link, so it shows a scheme's own cost under outside load;
+- ``rank_step_seconds``: every rank's ``step_seconds``, in rank order;
 - ``engine``: per step ``strategy.last_metrics`` (bytes, compress/exposed seconds, buffers) for the
   fusion-engine schemes;
 - ``hook_bytes``: per step the payload bytes of the ``torch.distributed.all_reduce`` calls made by
@@ -415,6 +416,11 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
         "train_loss": recorder.losses,
         **recorder.plan,
     }
+    # every rank's steps: a decision agreed over the ranks (the plan trial's max of their medians)
+    # can follow a rank other than rank 0, whose steps are the ones above
+    rank_steps: list[list[float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(rank_steps, result["step_seconds"])
+    result["rank_step_seconds"] = rank_steps
     if run.get("eval") and dist.get_rank() == 0:
         final = recorder.curve[-1] if recorder.curve else {}
         result["eval"] = final if final.get("step") == run["steps"] else evaluate(spec, model, datamodule)

@@ -235,6 +235,8 @@ def test_e2e_worker_runs_two_tiny_configurations_on_two_emulated_nodes(tmp_path)
     ssf, psgd = recorded
     assert ssf["world"] == 2 and len(ssf["step_seconds"]) == 2 and all(t > 0 for t in ssf["step_seconds"])
     assert len(ssf["step_cpu_seconds"]) == 2 and all(t > 0 for t in ssf["step_cpu_seconds"])
+    assert ssf["rank_step_seconds"][0] == ssf["step_seconds"] and len(ssf["rank_step_seconds"]) == 2
+    assert all(len(steps) == 2 and all(t > 0 for t in steps) for steps in ssf["rank_step_seconds"])
     assert 0 < ssf["engine"][-1]["bytes_sent"] < ssf["engine"][-1]["dense_equivalent_bytes"]
     assert ssf["plan_sparse_k"] > 0 and ssf["plan_buffers"] >= 1
     # comm="auto" notes a choice per buffer; 2 steps measure no costs yet (profiling starts at step 1)
