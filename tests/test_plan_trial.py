@@ -265,13 +265,13 @@ def one_buffer_a_tensor_and_scripted_medians(medians: dict[str, float]):
     """The cost cut puts every tensor in a buffer of its own, so that one buffer is a different
     plan, and the agreed median of each phase is ``medians[phase]``: the decisions are the test's,
     the plans, switches and training are the engine's."""
-    original = cut_module.cut_by_cost, FusionEngine._agreed_max
+    original = cut_module.cut_by_cost
     cut_module.cut_by_cost = lambda params, *args, **kwargs: [[item] for item in params]
-    FusionEngine._agreed_max = lambda self, value: medians[self._trial.phase]
     try:
-        yield
+        with scripted_medians(medians):
+            yield
     finally:
-        cut_module.cut_by_cost, FusionEngine._agreed_max = original
+        cut_module.cut_by_cost = original
 
 
 def train_with_fused_phase(steps: int, fused_median: float) -> dict:

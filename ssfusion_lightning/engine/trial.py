@@ -27,10 +27,12 @@ user pays, the step:
    buckets), agreed likewise;
 4. ``confirm``: where dense measured no slower, the better sparse plan again, as many steps,
    agreed likewise. One window of a few steps on ranks that share cores cannot tell 5-15% apart
-   (a digits run at P = 4 on 2 cores: single steps of 72-287 ms in one sparse window), and it was
-   taken earlier, when the run was still settling: the time-to-accuracy table kept dense, slower
-   than sparse by 4-15%, in 2 of 7 trials (experiments/REPORT.md, "Time to accuracy on real
-   data"). The two sparse windows bracket the dense one, so their mean cancels a steady drift;
+   (a digits run at P = 4 on 2 cores: single steps of 72-287 ms in one sparse window, and the
+   ranks' medians of one window up to 16 ms apart): the time-to-accuracy table kept dense,
+   slower than sparse by 4-15%, in 2 of 7 trials. The two sparse windows bracket the dense one,
+   so their mean also cancels a steady drift. Replayed on measured steps this halves how often a
+   slower dense plan is kept; live it still kept one in 2 of 8 digits seeds (experiments/
+   REPORT.md, "The plan trial measures the sparse plan again before it keeps dense");
 5. ``done``: dense stays where its median is at most the sparse plan's (the mean of its two
    windows where both ran), else that sparse plan returns.
 
