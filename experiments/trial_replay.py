@@ -15,6 +15,13 @@ each (the first left out, as the trial does) and applies the decision rules:
 
 Each cell is replayed twice: as measured (dense slower there), and with the roles swapped, a stand-in
 for a cell where dense is faster by the same ratio, where keeping dense is right.
+
+A second table replays the ranks' agreement on every rank's step times (results/
+tta_confirm_ranks_raw.jsonl, P = 4, 300 Mbit/s, digits, 4 seeds): each rank takes its window's
+median and the ranks agree on their max (the rule before) or their mean (the rule now), at 8 and
+16 steps a window. The sparse stretch is ssfusion@1%'s steps after its trial (sparse kept in every
+seed), the dense one DDP's steps after step 20 (a stand-in for the engine's dense plan: DDP's
+buckets); both windows of one trial come from the same seed's runs, which ran back to back.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import json
 import random
 import statistics
 from pathlib import Path
+from typing import Callable
 
 from experiments.common import RESULTS, publish_md, read_jsonl
 from ssfusion_lightning.engine.trial import CONFIRM, DENSE, PlanTrial
@@ -46,22 +54,35 @@ def stretch(runs: list[dict], cell: tuple[str, int, str], label: str, first: int
     ]
 
 
-def window(trace: list[float], steps: int, rng: random.Random) -> list[float]:
-    start = rng.randrange(len(trace) - steps)
-    return trace[start : start + steps + 1]
+def rank_windows(ranks: list[list[float]], steps: int, rng: random.Random) -> list[list[float]]:
+    """One window of ``steps + 1`` consecutive steps, the same steps on every rank."""
+    start = rng.randrange(len(ranks[0]) - steps)
+    return [trace[start : start + steps + 1] for trace in ranks]
 
 
-def keeps_dense(sparse: list[float], dense: list[float], steps: int, rng: random.Random, confirm: bool) -> bool:
-    trial = PlanTrial(steps, phase=DENSE, sparse_seconds=statistics.median(window(sparse, steps, rng)[1:]))
-    for seconds in window(dense, steps, rng):
+def keeps_dense(
+    sparse: list[list[float]], dense: list[list[float]], steps: int, rng: random.Random, confirm: bool,
+    combine: Callable[[list[float]], float] = max,
+) -> bool:
+    """One trial's decision on windows drawn from every rank's ``sparse`` and ``dense`` step times;
+    the ranks agree on ``combine`` of their medians."""
+
+    def agreed(windows: list[list[float]]) -> Callable[[float], float]:
+        medians = [statistics.median(w[1:]) for w in windows]
+        return lambda local: combine(medians)
+
+    trial = PlanTrial(steps, phase=DENSE, sparse_seconds=agreed(rank_windows(sparse, steps, rng))(0.0))
+    windows = rank_windows(dense, steps, rng)
+    for seconds in windows[0]:
         trial.record(seconds)
-    if trial.end_dense(lambda local: local) != CONFIRM:
+    if trial.end_dense(agreed(windows)) != CONFIRM:
         return False
     if not confirm:
         return True
-    for seconds in window(sparse, steps, rng):
+    windows = rank_windows(sparse, steps, rng)
+    for seconds in windows[0]:
         trial.record(seconds)
-    return trial.end_confirm(lambda local: local)
+    return trial.end_confirm(agreed(windows))
 
 
 def replay(runs: list[dict], steps: int, draws: int, seed: int) -> list[dict]:
@@ -78,9 +99,39 @@ def replay(runs: list[dict], steps: int, draws: int, seed: int) -> list[dict]:
                 "steps": f"{len(s)}, {len(d)}",
             }
             for name, confirm in (("one window", False), ("confirm", True)):
-                row[name] = sum(keeps_dense(s, d, steps, rng, confirm) for _ in range(draws)) / draws
+                row[name] = sum(keeps_dense([s], [d], steps, rng, confirm) for _ in range(draws)) / draws
             rows.append(row)
     return rows
+
+
+#: how the ranks agree on their window medians
+AGREEMENTS = {"max": max, "mean": statistics.mean}
+
+
+def replay_ranks(runs: list[dict], steps: tuple[int, ...], draws: int, seed: int) -> list[dict]:
+    """The confirm rule on every rank's step times, per agreement and window length: the share of
+    trials that keep dense, as measured (dense slower) and with the roles swapped."""
+    rng = random.Random(seed)
+    seeds = sorted({r["seed"] for r in runs})
+    sparse = {r["seed"]: [t[40:] for t in r["rank_step_seconds"]] for r in runs if r["scheme"] != "ddp"}
+    dense = {r["seed"]: [t[20:] for t in r["rank_step_seconds"]] for r in runs if r["scheme"] == "ddp"}
+    rows = []
+    for window_steps in steps:
+        for name, combine in AGREEMENTS.items():
+            row = {"agreement": name, "steps": window_steps}
+            for key, swapped in (("dense slower", False), ("dense faster", True)):
+                kept = 0
+                for _ in range(draws):
+                    run = rng.choice(seeds)
+                    s, d = (dense[run], sparse[run]) if swapped else (sparse[run], dense[run])
+                    kept += keeps_dense(s, d, window_steps, rng, True, combine)
+                row[key] = kept / draws
+            rows.append(row)
+    medians = {
+        key: 1e3 * statistics.median([x for traces in runs.values() for t in traces for x in t])
+        for key, runs in (("sparse ms", sparse), ("dense ms", dense))
+    }
+    return [dict(row, **medians) for row in rows]
 
 
 def markdown(rows: list[dict], steps: int, draws: int) -> str:
@@ -97,17 +148,36 @@ def markdown(rows: list[dict], steps: int, draws: int) -> str:
     return "\n".join(lines)
 
 
+def markdown_ranks(rows: list[dict], draws: int) -> str:
+    lines = [
+        f"The ranks' agreement replayed on every rank's step times (results/tta_confirm_ranks_raw.jsonl, digits, "
+        f"P = 4, 300 Mbit/s; sparse: ssfusion@1% after its trial, median {rows[0]['sparse ms']:.1f} ms; dense: DDP, "
+        f"median {rows[0]['dense ms']:.1f} ms; {draws} draws a row, confirm rule): the share of trials that keep dense.",
+        "",
+        "| ranks agree on their medians' | steps a window | keeps dense where it is slower (wrong) | "
+        "keeps dense, roles swapped (right) |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['agreement']} | {r['steps']} | {r['dense slower']:.3f} | {r['dense faster']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--raw", type=Path, default=RESULTS / "tta_raw.jsonl")
-    parser.add_argument("--steps", type=int, default=8, help="the trial's steps a phase (comm=auto's default)")
+    parser.add_argument("--ranks-raw", type=Path, default=RESULTS / "tta_confirm_ranks_raw.jsonl")
+    parser.add_argument("--steps", type=int, default=16, help="the trial's steps a phase (comm=auto's default)")
     parser.add_argument("--draws", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = replay(read_jsonl(args.raw), args.steps, args.draws, args.seed)
-    publish_md(markdown(rows, args.steps, args.draws), "trial_replay", args.out)
-    (Path(args.out) if args.out else RESULTS).joinpath("trial_replay.json").write_text(json.dumps(rows, indent=1) + "\n")
+    rank_rows = replay_ranks(read_jsonl(args.ranks_raw), (8, 16), args.draws, args.seed)
+    publish_md(markdown(rows, args.steps, args.draws) + "\n\n" + markdown_ranks(rank_rows, args.draws), "trial_replay", args.out)
+    (Path(args.out) if args.out else RESULTS).joinpath("trial_replay.json").write_text(
+        json.dumps({"rank_0": rows, "ranks": rank_rows}, indent=1) + "\n"
+    )
     return 0
 
 

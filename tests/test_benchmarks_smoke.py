@@ -778,3 +778,21 @@ def test_trial_replay_keeps_dense_exactly_where_every_window_says_it_is_faster()
         swapped = row["cell"].endswith("(roles swapped)")
         assert row["dense ms"] == (100.0 if swapped else 50.0)
         assert row["one window"] == row["confirm"] == (0.0 if swapped else 1.0)
+
+
+def test_trial_replay_on_every_ranks_steps_takes_each_agreement():
+    """Rank 1's dense steps are slow, the others' fast: the max over ranks finds dense slower, the
+    mean (0.05 on three ranks, 0.11 on one: 0.065) finds it faster than sparse's 0.07."""
+    from experiments import trial_replay
+
+    def run(seed, scheme, per_rank):
+        return {"seed": seed, "scheme": scheme, "rank_step_seconds": [[seconds] * 300 for seconds in per_rank]}
+
+    runs = [run(0, "ssfusion", [0.07] * 4), run(0, "ddp", [0.05, 0.11, 0.05, 0.05])]
+    rows = trial_replay.replay_ranks(runs, steps=(8, 16), draws=20, seed=0)
+    assert [(r["agreement"], r["steps"]) for r in rows] == [("max", 8), ("mean", 8), ("max", 16), ("mean", 16)]
+    for row in rows:
+        kept = row["agreement"] == "mean"
+        assert row["dense slower"] == (1.0 if kept else 0.0)
+        assert row["dense faster"] == (0.0 if kept else 1.0)
+        assert row["sparse ms"] == pytest.approx(70.0) and row["dense ms"] == pytest.approx(50.0)

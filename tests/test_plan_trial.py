@@ -8,12 +8,14 @@ from contextlib import contextmanager
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import ssfusion_lightning as ssf
 from ssfusion_lightning.comm import COMMUNICATORS
 from ssfusion_lightning.commcost import Link
 from ssfusion_lightning.engine import engine as engine_module
+from ssfusion_lightning.engine.agreement import mean_over_ranks
 from ssfusion_lightning.engine.engine import FusionEngine
 from ssfusion_lightning.engine.trial import CONFIRM, DENSE, DONE, FUSED, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import cut as cut_module
@@ -21,7 +23,7 @@ from tests.workloads import Regressor, checkpoint_and_resume, make_trainer, regr
 
 
 def agreed(offset: float):
-    """A stand-in for the max over ranks: another rank was ``offset`` seconds slower."""
+    """A stand-in for the mean over ranks: the other ranks were ``offset`` seconds slower on average."""
     return lambda local: local + offset
 
 
@@ -107,12 +109,22 @@ def test_a_resumed_trial_measures_its_phase_again():
 
 
 def test_dense_trial_steps_is_an_auto_option_that_needs_the_fallback():
-    assert COMMUNICATORS.build("auto").dense_trial_steps == 8
+    assert COMMUNICATORS.build("auto").dense_trial_steps == 16
     assert COMMUNICATORS.build("auto", dense_fallback=False, dense_trial_steps=5).dense_trial_steps == 0
     assert COMMUNICATORS.build("allgather").dense_trial_steps == 0
     for bad in (-1, 2.5, True, "5"):
         with pytest.raises(ValueError, match=f"dense_trial_steps must be an integer >= 0, got {bad!r}"):
             COMMUNICATORS.build("auto", dense_trial_steps=bad)
+
+
+def agree_on_rank_dependent_medians() -> float:
+    rank = dist.get_rank()
+    return mean_over_ranks(0.05 + 0.02 * rank, None, torch.device("cpu"))
+
+
+def test_the_ranks_agree_on_the_mean_of_their_medians(pool2):
+    """One rank's noisy window moves the agreed median by its share alone (a max took it whole)."""
+    assert pool2.run(agree_on_rank_dependent_medians) == [pytest.approx(0.06)] * 2
 
 
 @contextmanager
@@ -162,13 +174,13 @@ def train_with_trial(steps: int, floor: float, medians: dict[str, float] | None 
 @contextmanager
 def scripted_medians(medians: dict[str, float] | None):
     """The agreed median of each phase is ``medians[phase]`` (None: the engine's own agreement)."""
-    original = FusionEngine._agreed_max
+    original = FusionEngine._agreed_mean
     if medians is not None:
-        FusionEngine._agreed_max = lambda self, value: medians[self._trial.phase]
+        FusionEngine._agreed_mean = lambda self, value: medians[self._trial.phase]
     try:
         yield
     finally:
-        FusionEngine._agreed_max = original
+        FusionEngine._agreed_mean = original
 
 
 def kept_dense(trial_state: dict) -> bool:

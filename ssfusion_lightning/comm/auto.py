@@ -105,7 +105,7 @@ class AutoCommunicator(Communicator):
     sums_dense = True  # every candidate all-reduces the dense part
 
     def __init__(
-        self, schemes: Sequence[str] = CANDIDATES, dense_fallback: bool = True, dense_trial_steps: int = 8, **options: Any
+        self, schemes: Sequence[str] = CANDIDATES, dense_fallback: bool = True, dense_trial_steps: int = 16, **options: Any
     ) -> None:
         super().__init__(**options)
         if isinstance(schemes, str) or not schemes or any(s not in CANDIDATES for s in schemes):

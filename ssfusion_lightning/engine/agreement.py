@@ -7,7 +7,8 @@ buffers, in the same order on every rank:
 - DDP's unused-parameter agreement (``find_unused_parameters``): which parameters some rank used;
 - rank 0's gradient-ready order, which the plan is rebuilt from after the first round.
 
-(The cost model, agreed once the profiled rounds are over, is the engine's ``_agree_costs``.)
+(The cost model, agreed once the profiled rounds are over, is the engine's ``_agree_costs``; the
+plan trial's medians are agreed with ``mean_over_ranks``.)
 """
 
 from __future__ import annotations
@@ -154,3 +155,13 @@ def _nonfinite_vote(flags: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 def _usage_vote(used: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
     return used
+
+
+def mean_over_ranks(value: float, group: dist.ProcessGroup | None, device: torch.device) -> float:
+    """The mean of ``value`` over the ranks of ``group``: the plan trial's agreed median step.
+    Synchronous ranks share one step time, so their medians of a window differ by sampling noise
+    alone (up to 16 ms in one digits window at P = 4): the mean averages it, where a max would
+    take the noisiest rank's."""
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return float(total.item()) / dist.get_world_size(group)

@@ -43,7 +43,7 @@ from ssfusion_lightning.comm.schemes import SparseSum, accumulation_dtype
 from ssfusion_lightning.commcost import ring_allreduce_bytes
 from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link, measure_links, measure_serial_cpu
 from ssfusion_lightning.engine import state as engine_state
-from ssfusion_lightning.engine.agreement import Agreement, NonFiniteVote, vote_route
+from ssfusion_lightning.engine.agreement import Agreement, NonFiniteVote, mean_over_ranks, vote_route
 from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
 from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
@@ -740,13 +740,13 @@ class FusionEngine:
             self._new_round()
             return
         if trial.phase == SPARSE:
-            entered = trial.end_sparse(self._agreed_max, self._fusable(), self._dense_floor())
+            entered = trial.end_sparse(self._agreed_mean, self._fusable(), self._dense_floor())
         elif trial.phase == FUSED:
-            entered = trial.end_fused(self._agreed_max, self._dense_floor())
+            entered = trial.end_fused(self._agreed_mean, self._dense_floor())
         elif trial.phase == DENSE_PHASE:
-            entered = trial.end_dense(self._agreed_max)
+            entered = trial.end_dense(self._agreed_mean)
         else:
-            trial.end_confirm(self._agreed_max)
+            trial.end_confirm(self._agreed_mean)
             entered = DONE
         if not trial.active and dist.get_rank() == 0:  # a trial runs only between ranks
             log.info("ssfusion: plan trial: %s", trial.summary())
@@ -773,16 +773,12 @@ class FusionEngine:
         total_bytes = sum(p.numel() * p.element_size() for p in self.params)
         return self.costs.dense_seconds(total_bytes, 1)
 
-    def _agreed_max(self, value: float) -> float:
-        """The max of ``value`` over the ranks, on the first channel's group (it is idle between rounds)."""
+    def _agreed_mean(self, value: float) -> float:
+        """The mean of ``value`` over the ranks, on the first channel's group (it is idle between rounds)."""
         device = self.channels.device
-
-        def agree_max(group: dist.ProcessGroup | None) -> float:
-            tensor = torch.tensor([value], dtype=torch.float64, device=device)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-            return float(tensor.item())
-
-        return self._settle(self.channels[0].submit(agree_max), "dense-trial agreement")
+        return self._settle(
+            self.channels[0].submit(lambda group: mean_over_ranks(value, group, device)), "plan-trial agreement"
+        )
 
     def _agree_costs(self, group: dist.ProcessGroup | None) -> CostProfile:
         """Measure the links on this group, then take every number's max over the ranks."""
