@@ -796,3 +796,30 @@ def test_trial_replay_on_every_ranks_steps_takes_each_agreement():
         assert row["dense slower"] == (1.0 if kept else 0.0)
         assert row["dense faster"] == (0.0 if kept else 1.0)
         assert row["sparse ms"] == pytest.approx(70.0) and row["dense ms"] == pytest.approx(50.0)
+
+
+# --------------------------------------------------------------------------- trial_outcomes.py
+def test_trial_outcomes_names_the_kept_plan_and_compares_each_seed_with_its_own_ddp(tmp_path):
+    from experiments import trial_outcomes
+
+    def run(seed, scheme, seconds, dense=False, trial=None):
+        return {"launch": "a", "world": 4, "phase": "300mbit", "workload": "digits", "seed": seed, "scheme": scheme,
+                "label": scheme, "step_seconds": [seconds] * 100, "dense_trial": trial,
+                "engine": [{"sparse_tensors": 0 if dense else 5}] * 100}
+
+    trial = {"phase": "done", "sparse_seconds": 0.08, "dense_seconds": 0.09}
+    runs = [
+        run(0, "ddp", 0.09), run(0, "ssfusion", 0.08, trial=trial),
+        run(1, "ddp", 0.07), run(1, "ssfusion", 0.095, dense=True, trial=dict(trial, confirmed_seconds=0.1)),
+        run(1, "ssfusion_notrial", 0.05),
+    ]
+    rows = trial_outcomes.outcomes(runs, first=60)
+    assert [(r["seed"], r["kept"], r["ddp step"]) for r in rows] == [(0, "sparse", 0.09), (1, "dense", 0.07)]
+    assert rows[1]["confirmed"] == 0.1 and rows[0]["confirmed"] is None
+    total = trial_outcomes.summary(rows)
+    assert (total["seeds"], total["kept dense"], total["slower than DDP"]) == (2, 1, 1)
+    assert (total["sparse step"], total["dense step"]) == (0.08, 0.095)
+    raw = tmp_path / "a_raw.jsonl"
+    raw.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "launch"}) + "\n" for r in runs))
+    assert trial_outcomes.main(["a", "--results", str(tmp_path), "--out", str(tmp_path)]) == 0
+    assert "2 seeds: dense kept in 1, a step slower than DDP's in 1" in (tmp_path / "trial_outcomes.md").read_text()
