@@ -15,6 +15,11 @@ before selection starts (the engine's ``warmup_steps``), and some tensors sent w
 (by parameter name: the tied byte embedding, which is also the output layer; the LayerNorms and
 biases), so that the rows show which part of the model the selection starves.
 
+``--update-rows`` adds rows that move the selection behind the optimizer: each step AdamW's update
+(its moments kept from the local dense gradient) is computed first, and the top density of update
+plus residual is applied, the rest kept as the residual. Every coordinate then moves by its whole
+update, late, instead of by a burst that Adam's second moment shrinks.
+
 Writes results/<name>.md and .csv (validation loss after each evaluation point).
 """
 
@@ -58,6 +63,40 @@ def topk_with_feedback(params: list[torch.nn.Parameter], residuals: dict[int, to
         p.grad = keep.view_as(p.grad)
 
 
+class SparseAdamWUpdate:
+    """AdamW whose update, not the gradient, goes through top-k with error feedback."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float, density: float, weight_decay: float = 0.01,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        self.params, self.lr, self.density, self.weight_decay, self.betas, self.eps = params, lr, density, weight_decay, betas, eps
+        self.moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+        self.residuals = [torch.zeros_like(p) for p in params]
+        self.steps = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, dense: bool = False) -> None:
+        self.steps += 1
+        beta1, beta2 = self.betas
+        for p, (m, v), residual in zip(self.params, self.moments, self.residuals):
+            m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            update = self.lr * (m / (1 - beta1**self.steps)) / ((v / (1 - beta2**self.steps)).sqrt() + self.eps)
+            p.mul_(1 - self.lr * self.weight_decay)
+            if dense:
+                p.sub_(update)
+                continue
+            compensated = (update + residual).reshape(-1)
+            index = compensated.abs().topk(max(1, math.floor(self.density * compensated.numel())), sorted=False).indices
+            kept = torch.zeros_like(compensated)
+            kept[index] = compensated[index]
+            residual.copy_((compensated - kept).view_as(p))
+            p.sub_(kept.view_as(p))
+
+
 def run(optimizer: str, density: float | None, steps: int, eval_every: int, lr: float, seed: int,
         dense_steps: int = 0, dense_names: tuple[str, ...] = ()) -> list[tuple[int, float]]:
     from ssfusion_lightning.app.builders import wire_model_kwargs
@@ -71,7 +110,9 @@ def run(optimizer: str, density: float | None, steps: int, eval_every: int, lr: 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     dense = frozenset(i for i, (n, _) in enumerate(named) if any(part in n for part in dense_names))
-    if optimizer == "adamw":
+    if optimizer == "adamw-update":
+        opt = SparseAdamWUpdate(params, lr, density)
+    elif optimizer == "adamw":
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     else:
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.01)
@@ -84,9 +125,12 @@ def run(optimizer: str, density: float | None, steps: int, eval_every: int, lr: 
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)  # the e2e workloads' LM setting, before selection as Lightning does
-            if density is not None and step >= dense_steps:
-                topk_with_feedback(params, residuals, density, dense)
-            opt.step()
+            if optimizer == "adamw-update":
+                opt.step(dense=step < dense_steps)
+            else:
+                if density is not None and step >= dense_steps:
+                    topk_with_feedback(params, residuals, density, dense)
+                opt.step()
             step += 1
             if step % eval_every == 0 or step == steps:
                 curve.append((step, evaluate(model, data)))
@@ -118,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="ef_optimizers", help="file stem")
     parser.add_argument("--recipes", action="store_true", help="add the AdamW rows of RECIPES")
+    parser.add_argument("--update-rows", action="store_true",
+                        help="add rows that select AdamW's update instead of the gradient (no warm-up, 30 and 100 dense steps)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     sparse = f"top-k {args.density * 100:g}% + error feedback"
@@ -126,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.recipes:
         cases[2:2] = [("adamw", args.adamw_lr, args.density, f"{sparse}, {label}", steps, names)
                       for label, (steps, names) in RECIPES.items()]
+    if args.update_rows:
+        update = f"AdamW's update: top-k {args.density * 100:g}% + error feedback"
+        cases[2:2] = [("adamw-update", args.adamw_lr, args.density, update + (f", dense warm-up {steps} steps" if steps else ""),
+                       steps, ()) for steps in (0, 30, 100)]
     rows = []
     for optimizer, lr, density, label, dense_steps, dense_names in cases:
         started = time.perf_counter()
@@ -140,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"Validation loss (nats per byte) of the byte-level GPT-2 tiny on the Lee corpus, one process, "
         f"`python -m experiments.ef_optimizers --steps {args.steps} --adamw-lr {args.adamw_lr:g} --sgd-lr {args.sgd_lr:g}"
-        + (" --recipes" if args.recipes else "") + "`.",
+        + (" --recipes" if args.recipes else "") + (" --update-rows" if args.update_rows else "")
+        + (f" --name {args.name}" if args.name != "ef_optimizers" else "") + "`.",
         "",
         "| optimizer | lr | gradient | " + " | ".join(f"step {s}" for s in points) + " |",
         "|---|---|---|" + "---|" * len(points),

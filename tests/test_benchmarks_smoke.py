@@ -823,3 +823,41 @@ def test_trial_outcomes_names_the_kept_plan_and_compares_each_seed_with_its_own_
     raw.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "launch"}) + "\n" for r in runs))
     assert trial_outcomes.main(["a", "--results", str(tmp_path), "--out", str(tmp_path)]) == 0
     assert "2 seeds: dense kept in 1, a step slower than DDP's in 1" in (tmp_path / "trial_outcomes.md").read_text()
+
+
+# --------------------------------------------------------------------------- ef_optimizers.py
+def test_sparse_adamw_update_steps_dense_like_torch_adamw():
+    import torch
+
+    from experiments.ef_optimizers import SparseAdamWUpdate
+
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(5, 4))
+    theirs.data.copy_(ours.data)
+    sparse, reference = SparseAdamWUpdate([ours], lr=0.01, density=0.1), torch.optim.AdamW([theirs], lr=0.01, weight_decay=0.01)
+    for _ in range(3):
+        grad = torch.randn(5, 4)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        sparse.step(dense=True)
+        reference.step()
+        torch.testing.assert_close(ours.data, theirs.data)
+
+
+def test_sparse_adamw_update_applies_the_top_of_update_plus_residual_and_keeps_the_rest():
+    import torch
+
+    from experiments.ef_optimizers import SparseAdamWUpdate
+
+    param = torch.nn.Parameter(torch.zeros(8))
+    opt = SparseAdamWUpdate([param], lr=0.1, density=0.25, weight_decay=0.0)
+    param.grad = torch.tensor([1.0, -4.0, 2.0, 0.5, -3.0, 0.1, 0.2, 0.3])
+    opt.step()
+    # the first bias-corrected AdamW update is lr * sign(grad), to eps: every coordinate ties, so
+    # what moved plus what is kept is the whole update, and exactly 2 of 8 coordinates moved
+    moved = -param.detach()
+    assert int((moved != 0).sum()) == 2
+    torch.testing.assert_close(moved + opt.residuals[0], 0.1 * param.grad.sign(), rtol=0, atol=1e-6)
+    before = param.detach().clone()
+    param.grad = torch.zeros(8)
+    opt.step()  # a zero gradient still moves the residual's largest coordinates: nothing is lost
+    assert int((param.detach() != before).sum()) == 2
