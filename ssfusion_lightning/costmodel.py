@@ -11,7 +11,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -240,35 +240,64 @@ def probe_elements(collective: str, moved: int, world: int) -> int:
     return max(1, round(per_rank / 4))
 
 
-def measure_serial_cpu(work_elements: int = 1 << 18, repeats: int = 5) -> float:
+def measure_serial_cpu(
+    work_elements: int = 1 << 18, repeats: int = 5, sync: Callable[[], None] | None = None, phase_seconds: float = 0.02
+) -> float:
     """The share of a second thread's CPU work that delays this thread: the same torch work (which
     releases the GIL) timed alone and then on two threads at once. 0 when the second thread ran on
-    a free core, 1 when the two took turns on one. Every rank measures at the same moment, so ranks
-    that share a host's cores see each other's load, as they do while training."""
+    a free core, 1 when the two took turns on one. Ranks that share a host's cores must time their
+    phases at the same moment to see each other's load, as they do while training: ``sync`` (a
+    barrier of the ranks, called the same number of times on each) runs before every timed phase,
+    and each phase does enough work to last ``phase_seconds`` alone, longer than the ranks' skew
+    after a barrier. Without both, a fast host's probe (under 1 ms a phase) ran on one rank while the
+    other waited, every rank found a free core, and P = 2 on 2 cores offloaded: 0.66-0.77 of
+    compute-only's step where the main thread had run the selections at 0.90-1.00 (experiments/
+    REPORT.md, "The serial CPU probe times every rank at once")."""
     # not torch.randn: the probe runs beside training and must not draw from the global generator
     source = torch.linspace(-1.0, 1.0, work_elements)
     # one output per thread: writing one shared tensor from two cores would pass its cache lines
     # back and forth, and a free core would look busy
     outs = (torch.empty_like(source), torch.empty_like(source))
+    barrier = sync if sync is not None else (lambda: None)
 
-    def work(out: Tensor) -> None:
-        for _ in range(8):
+    def work(out: Tensor, passes: int) -> None:
+        for _ in range(passes):
             torch.abs(source, out=out)
 
+    def alone(passes: int) -> float:
+        started = time.perf_counter()
+        work(outs[0], passes)
+        return time.perf_counter() - started
+
+    passes = 8
+    while alone(passes) < phase_seconds and passes < 1 << 16:  # local: no barrier, so every rank calls sync alike
+        passes *= 2
     shares = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssfusion-cpu-probe") as pool:
-        pool.submit(work, outs[1]).result()  # the thread exists before anything is timed
+        pool.submit(work, outs[1], 1).result()  # the thread exists before anything is timed
         for _ in range(repeats):
+            barrier()
+            by_itself = alone(passes)
+            barrier()
             started = time.perf_counter()
-            work(outs[0])
-            alone = time.perf_counter() - started
-            started = time.perf_counter()
-            beside = pool.submit(work, outs[1])
-            work(outs[0])
+            beside = pool.submit(work, outs[1], passes)
+            work(outs[0], passes)
             beside.result()
             together = time.perf_counter() - started
-            shares.append(min(1.0, max(0.0, together / max(alone, 1e-9) - 1.0)))
+            shares.append(min(1.0, max(0.0, together / max(by_itself, 1e-9) - 1.0)))
     return sorted(shares)[len(shares) // 2]
+
+
+def barrier_of(group: dist.ProcessGroup | None, device: torch.device) -> Callable[[], None]:
+    """A barrier of ``group``'s ranks that returns once every rank has entered it (a one-element
+    all-reduce, read back so that a device collective has finished too)."""
+
+    def barrier() -> None:
+        token = torch.zeros(1, device=device)
+        dist.all_reduce(token, group=group)
+        token.item()
+
+    return barrier
 
 
 def agree(

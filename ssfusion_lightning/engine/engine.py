@@ -41,7 +41,15 @@ from ssfusion_lightning.comm.base import CommContext
 from ssfusion_lightning.comm.channels import Completed
 from ssfusion_lightning.comm.schemes import SparseSum, accumulation_dtype
 from ssfusion_lightning.commcost import ring_allreduce_bytes
-from ssfusion_lightning.costmodel import CostProfile, Profiler, agree, measure_link, measure_links, measure_serial_cpu
+from ssfusion_lightning.costmodel import (
+    CostProfile,
+    Profiler,
+    agree,
+    barrier_of,
+    measure_link,
+    measure_links,
+    measure_serial_cpu,
+)
 from ssfusion_lightning.engine import state as engine_state
 from ssfusion_lightning.engine.agreement import Agreement, NonFiniteVote, mean_over_ranks, vote_route
 from ssfusion_lightning.engine.errors import CommunicationError, NonFiniteGradientError
@@ -791,7 +799,8 @@ class FusionEngine:
         local = self._profiler.local_vector(self.channels.cpu_seconds_per_job())
         spread = self.communicator.selection_spread(self.world_size)
         spread = 1.0 if spread is None else spread
-        return agree(local, self.names, links, self.world_size, group, device, spread, measure_serial_cpu())
+        serial_cpu = measure_serial_cpu(sync=barrier_of(group, device))
+        return agree(local, self.names, links, self.world_size, group, device, spread, serial_cpu)
 
     def _drop_round(self, where: str, globally_used: list[int] | None) -> StepMetrics:
         """Every rank drops the round alike: error feedback and thresholds untouched, and either
