@@ -250,9 +250,8 @@ def measure_serial_cpu(
     barrier of the ranks, called the same number of times on each) runs before every timed phase,
     and each phase does enough work to last ``phase_seconds`` alone, longer than the ranks' skew
     after a barrier. Without both, a fast host's probe (under 1 ms a phase) ran on one rank while the
-    other waited, every rank found a free core, and P = 2 on 2 cores offloaded: 0.66-0.77 of
-    compute-only's step where the main thread had run the selections at 0.90-1.00 (experiments/
-    REPORT.md, "The serial CPU probe times every rank at once")."""
+    other waited, every rank found a free core, and P = 2 on 2 cores offloaded in 4 of 6 overlap
+    cells (experiments/REPORT.md, "The serial CPU probe times every rank at once")."""
     # not torch.randn: the probe runs beside training and must not draw from the global generator
     source = torch.linspace(-1.0, 1.0, work_elements)
     # one output per thread: writing one shared tensor from two cores would pass its cache lines
