@@ -416,8 +416,8 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
         "train_loss": recorder.losses,
         **recorder.plan,
     }
-    # every rank's steps: a decision agreed over the ranks (the plan trial's max of their medians)
-    # can follow a rank other than rank 0, whose steps are the ones above
+    # every rank's steps: a decision agreed over the ranks (the plan trial's mean of their medians)
+    # depends on ranks other than rank 0, whose steps are the ones above
     rank_steps: list[list[float] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(rank_steps, result["step_seconds"])
     result["rank_step_seconds"] = rank_steps

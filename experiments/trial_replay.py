@@ -67,22 +67,21 @@ def keeps_dense(
     """One trial's decision on windows drawn from every rank's ``sparse`` and ``dense`` step times;
     the ranks agree on ``combine`` of their medians."""
 
-    def agreed(windows: list[list[float]]) -> Callable[[float], float]:
-        medians = [statistics.median(w[1:]) for w in windows]
-        return lambda local: combine(medians)
+    def agreed(windows: list[list[float]]) -> float:
+        return combine([statistics.median(w[1:]) for w in windows])
 
-    trial = PlanTrial(steps, phase=DENSE, sparse_seconds=agreed(rank_windows(sparse, steps, rng))(0.0))
+    trial = PlanTrial(steps, phase=DENSE, sparse_seconds=agreed(rank_windows(sparse, steps, rng)))
     windows = rank_windows(dense, steps, rng)
     for seconds in windows[0]:
         trial.record(seconds)
-    if trial.end_dense(agreed(windows)) != CONFIRM:
+    if trial.end_dense(lambda local: agreed(windows)) != CONFIRM:
         return False
     if not confirm:
         return True
     windows = rank_windows(sparse, steps, rng)
     for seconds in windows[0]:
         trial.record(seconds)
-    return trial.end_confirm(agreed(windows))
+    return trial.end_confirm(lambda local: agreed(windows))
 
 
 def replay(runs: list[dict], steps: int, draws: int, seed: int) -> list[dict]:
@@ -128,8 +127,8 @@ def replay_ranks(runs: list[dict], steps: tuple[int, ...], draws: int, seed: int
                 row[key] = kept / draws
             rows.append(row)
     medians = {
-        key: 1e3 * statistics.median([x for traces in runs.values() for t in traces for x in t])
-        for key, runs in (("sparse ms", sparse), ("dense ms", dense))
+        key: 1e3 * statistics.median([x for ranks in by_seed.values() for trace in ranks for x in trace])
+        for key, by_seed in (("sparse ms", sparse), ("dense ms", dense))
     }
     return [dict(row, **medians) for row in rows]
 
