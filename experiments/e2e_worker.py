@@ -376,6 +376,22 @@ def evaluate(spec: dict[str, Any], model: torch.nn.Module, datamodule) -> dict[s
     return {"val_loss": loss_sum / max(1, count), "val_acc": correct / max(1, count)}
 
 
+#: the LMs clip the synchronized gradient's norm, as their recipes do
+LM_CLIP_NORM = 1.0
+
+
+def clipping(spec: dict[str, Any], overrides: dict[str, Any] | None) -> tuple[dict[str, Any] | None, float | None]:
+    """The strategy overrides and the Trainer's ``gradient_clip_val`` for the workload. An LM clips
+    the synchronized gradient; with memory="adam", which sends updates, the same norm clips each
+    rank's gradient before its moments instead (the memory's local clipping)."""
+    if spec["kind"] != "lm":
+        return overrides, None
+    if (overrides or {}).get("memory") != "adam":
+        return overrides, LM_CLIP_NORM
+    options = {"clip_norm": LM_CLIP_NORM, **overrides.get("memory_options", {})}
+    return {**overrides, "memory_options": options}, None
+
+
 def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
     L.seed_everything(run.get("seed", 0), verbose=False)
     spec, model, task, datamodule = build_workload(run["workload"], quick, run.get("seed", 0))
@@ -383,11 +399,12 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
     recorder = StepRecorder(eval_at, lambda: evaluate(spec, model, datamodule))
     # the emulated cluster's layout: LOCAL_WORLD_SIZE ranks share each node (its namespace)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    overrides, clip = clipping(spec, run.get("overrides"))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=per_node,
         num_nodes=world // per_node,
-        strategy=make_strategy(run["scheme"], run.get("overrides")),
+        strategy=make_strategy(run["scheme"], overrides),
         max_steps=run["steps"],
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -396,7 +413,7 @@ def run_one(run: dict[str, Any], world: int, quick: bool) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[recorder],
-        gradient_clip_val=1.0 if spec["kind"] == "lm" else None,
+        gradient_clip_val=clip,
     )
     started = time.perf_counter()
     trainer.fit(task, datamodule=datamodule)

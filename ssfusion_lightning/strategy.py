@@ -40,6 +40,7 @@ from ssfusion_lightning.engine.state import FORMAT as ENGINE_STATE_FORMAT
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, validate_density
+from ssfusion_lightning.sparsifiers.adam_memory import AdamMemory
 from ssfusion_lightning.sparsifiers.memory import DGCMemory
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
 from ssfusion_lightning.timeline import Timeline
@@ -136,7 +137,9 @@ class SSFusionStrategy(DDPStrategy):
         sparsifier: a name from ``available_sparsifiers()`` or a Sparsifier instance.
         density: fraction of elements sent, 0 < density <= 1 (default 0.01) for a sparsifier given by
             name. A Sparsifier instance carries its own density: passing ``density`` with one is an error.
-        memory: error feedback, "residual" | "dgc" | "none".
+        memory: error feedback, "residual" | "dgc" | "adam" | "none". "adam" selects from each rank's
+            Adam update instead of its gradient, and replaces the Adam/AdamW optimizer by the step that
+            applies the averaged update (``sparsifiers/adam_memory.py``).
         fusion: buffer/selection policy (see ``available_fusion_policies()``).
         comm: collective (see ``available_communicators()``).
         buffer_mb: "auto" (default) or the cap of a fusion buffer in MiB (a finite number > 0).
@@ -440,6 +443,42 @@ class SSFusionStrategy(DDPStrategy):
                 log.info("ssfusion: memory='dgc' applies the optimizer's momentum %s (momentum correction); the optimizer's is now 0", taken)
             elif (note := memory.untaken_momentum(self.optimizers)) is not None:
                 rank_zero_warn(note)
+        elif isinstance(memory, AdamMemory):
+            self._hand_adam_to(memory, trainer)
+
+    def _hand_adam_to(self, memory: AdamMemory, trainer: Any) -> None:
+        """memory='adam' computes each rank's Adam step: the user's Adam or AdamW is replaced by the
+        step that applies the ranks' averaged update, over the same parameter groups, and its LR
+        schedulers move to the replacement. What would act on the averaged update instead of the
+        gradient is refused: the Trainer's clipping, a GradScaler, sparse embedding gradients."""
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                f"memory='adam' sends Adam updates, so the Trainer's gradient_clip_val={trainer.gradient_clip_val!r} would "
+                "clip the averaged update instead of the gradient; set gradient_clip_val=None and clip each rank's "
+                f"gradient before its moments with memory_options={{'clip_norm': {trainer.gradient_clip_val!r}}}"
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "memory='adam' takes unscaled gradients, but fp16 mixed precision's GradScaler scales them; "
+                "use precision='bf16-mixed' or '32-true'"
+            )
+        if self.engine.sparse_gradient_names:
+            raise ValueError(
+                f"memory='adam' computes dense Adam updates, but {', '.join(self.engine.sparse_gradient_names)} "
+                "have sparse gradients (nn.Embedding(sparse=True)); use sparse=False, or memory='residual'"
+            )
+        replaced = self.optimizers
+        replacements = memory.take_over(replaced)
+        for config in self.lr_scheduler_configs:
+            for old, new in zip(replaced, replacements):
+                if config.scheduler.optimizer is old:
+                    config.scheduler.optimizer = new
+        self.optimizers = replacements
+        log.info(
+            "ssfusion: memory='adam' computes %s's step on each rank (betas %s, eps %s) and sends it; the optimizer "
+            "is now AveragedUpdate, which applies the averaged update with the same learning rate and weight decay",
+            ", ".join(sorted({opt.replaced_name for opt in replacements})), memory.betas, memory.eps,
+        )
 
     @override
     def on_train_start(self) -> None:

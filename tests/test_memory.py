@@ -97,13 +97,13 @@ def test_none_memory_forgets_and_never_aliases():
 
 
 def test_memory_registry():
-    assert {"none", "residual", "dgc"} <= set(MEMORIES.names())
+    assert {"none", "residual", "dgc", "adam"} <= set(MEMORIES.names())
     strategy = ssf.SSFusionStrategy(memory="dgc", sparsifier="topk", fusion="ahead", comm="allgather", offload="none")
     assert strategy.memory_name == "dgc"
 
 
 # --------------------------------------------------------------------------- no NaN/Inf in the state
-@pytest.mark.parametrize("memory_name", ["residual", "dgc"])
+@pytest.mark.parametrize("memory_name", ["residual", "dgc", "adam"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_non_finite_never_enters_the_state(memory_name, bad, dtype):
@@ -173,7 +173,7 @@ def test_a_verified_commit_still_checks_the_unscaling():
     assert memory.residual("w") is None
 
 
-@pytest.mark.parametrize("memory_name", ["residual", "dgc"])
+@pytest.mark.parametrize("memory_name", ["residual", "dgc", "adam"])
 def test_non_finite_state_is_refused_on_load(memory_name):
     memory = build_memory(memory_name)
     memory.update("w", torch.ones(3), torch.tensor([0]))
@@ -186,7 +186,7 @@ def test_non_finite_state_is_refused_on_load(memory_name):
     assert fresh.residual("w") is None
 
 
-@pytest.mark.parametrize("memory_name", ["residual", "dgc"])
+@pytest.mark.parametrize("memory_name", ["residual", "dgc", "adam"])
 def test_memory_state_round_trip(memory_name):
     memory = build_memory(memory_name)
     grads = integer_grads((6, 5), 4, 0, torch.float32)
@@ -273,7 +273,7 @@ def test_dgc_memory_rejects_bad_options():
         build_memory("dgc", clip_norm=-1.0)
 
 
-@pytest.mark.parametrize("memory_name", ["residual", "dgc"])
+@pytest.mark.parametrize("memory_name", ["residual", "dgc", "adam"])
 def test_a_commit_does_not_depend_on_the_selection_temporary(memory_name):
     """``update`` recomputes the compensation from the gradient: with or without the ``compensate``
     before it (whose result the caller may have freed), the state is the same, bit for bit."""

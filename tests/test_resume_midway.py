@@ -36,7 +36,7 @@ def midway_run(directory: str, kwargs: dict, save_after: int, steps: int, accumu
 
     def train(callbacks, ckpt_path=None):
         L.seed_everything(11, verbose=False)
-        model = Regressor()
+        model = Regressor(optimizer="adamw" if kwargs.get("memory") == "adam" else "sgd")
         end = EndState()
         loader = ResumableDataLoader(regression_data(), batch_size=16, shuffle=True)
         trainer = make_trainer(
@@ -54,6 +54,7 @@ def midway_run(directory: str, kwargs: dict, save_after: int, steps: int, accumu
 CASES = {
     # 8 batches per rank per epoch: batch 5 is mid-epoch; batch 7 with accumulation 2 is mid-accumulation
     "mid-epoch-topk-ahead-hybrid": (dict(sparsifier="topk", fusion="ahead", comm="hybrid"), 5, 12, 1),
+    "mid-epoch-adam-memory-topk-selective-hybrid": (dict(sparsifier="topk", memory="adam", fusion="selective", comm="hybrid"), 5, 12, 1),
     "mid-epoch-dgc-memory-selective-zen": (dict(sparsifier="dgc", memory="dgc", fusion="selective", comm="zen"), 5, 12, 1),
     # mid-epoch in a later epoch: the sampler's order depends on the epoch
     "mid-second-epoch-dgc-aligned-thread-offload": (dict(sparsifier="dgc", fusion="aligned", comm="hybrid", offload="thread"), 11, 16, 1),

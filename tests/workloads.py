@@ -14,10 +14,11 @@ from torch.utils.data import DataLoader, TensorDataset
 class Regressor(L.LightningModule):
     """A small MLP on a learnable regression task; ``kind`` adds BatchNorm or a rank-0-only branch."""
 
-    def __init__(self, kind: str = "plain", lr: float = 0.05, width: int = 32) -> None:
+    def __init__(self, kind: str = "plain", lr: float = 0.05, width: int = 32, optimizer: str = "sgd") -> None:
         super().__init__()
         self.kind = kind
         self.lr = lr
+        self.optimizer = optimizer
         layers: list[nn.Module] = [nn.Linear(8, width)]
         if kind == "batchnorm":
             layers.append(nn.BatchNorm1d(width))
@@ -45,7 +46,14 @@ class Regressor(L.LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        # "adamw": decayed matrices, undecayed vectors, and a schedule that changes the rate every step
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1}, {"params": [p for p in params if p.ndim < 2]}]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 def regression_data(n: int = 256, seed: int = 1234) -> TensorDataset:

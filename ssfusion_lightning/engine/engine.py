@@ -220,6 +220,8 @@ class FusionEngine:
         self.config = config
         self.grad_scaler = grad_scaler
         self._coo = frozenset(i for i, name in enumerate(self.names) if name in set(sparse_gradients))
+        #: the parameters whose gradients are sparse COO tensors: they bypass error feedback
+        self.sparse_gradient_names = [self.names[i] for i in sorted(self._coo)]
         self._sent_dense = dense_positions(self.names, config.dense_params)
         # Sparse gradients must be summed exactly; Ok-Topk keeps only about k entries of a sum.
         self._coo_communicator = communicator if communicator.exact else COMMUNICATORS.build("allgather")

@@ -142,6 +142,18 @@ def check_finite(key: str, tensor: Tensor, what: str = "compensated gradient") -
         )
 
 
+def local_clip_factor(grad: Tensor, clip_norm: float | None, world_size: int, loss_scale: Tensor | None = None) -> float | None:
+    """DGC's local clipping: the factor that scales ``grad`` to L2 norm ``clip_norm / sqrt(P)``
+    (P ranks' gradients of that norm sum to about ``clip_norm``), or None when it is within it or
+    clipping is off. ``clip_norm`` is in unscaled units."""
+    if clip_norm is None:
+        return None
+    norm = float(torch.linalg.vector_norm(grad, dtype=statistics_dtype(grad.dtype)))
+    local = clip_norm / math.sqrt(world_size)
+    limit = local if loss_scale is None else local * float(loss_scale)
+    return limit / norm if norm > limit else None
+
+
 def _zero_at(tensor: Tensor, sent_indices: Tensor) -> None:
     """Zero the flat positions of a contiguous state tensor (in place, so no other layout will do)."""
     if sent_indices.numel():
@@ -461,20 +473,12 @@ class DGCMemory(Memory):
             "memory_options={'momentum': 0} keeps memory='dgc' without momentum"
         )
 
-    def _clip_factor(self, grad: Tensor, loss_scale: Tensor | None) -> float | None:
-        if self.clip_norm is None:
-            return None
-        norm = float(torch.linalg.vector_norm(grad, dtype=statistics_dtype(grad.dtype)))
-        local = self.clip_norm / math.sqrt(self.world_size)
-        limit = local if loss_scale is None else local * float(loss_scale)  # clip_norm is unscaled
-        return limit / norm if norm > limit else None
-
     def _clipped(self, key: str, grad: Tensor, loss_scale: Tensor | None, commit: bool) -> Tensor:
         """The round's clipped gradient; the factor ``compensate`` found is the one its commit uses."""
         if commit and key in self._clip_factors:
             factor = self._clip_factors.pop(key)
         else:
-            factor = self._clip_factor(grad, loss_scale)
+            factor = local_clip_factor(grad, self.clip_norm, self.world_size, loss_scale)
             if not commit and factor is not None:
                 self._clip_factors[key] = factor
         return grad if factor is None else grad * factor

@@ -1,0 +1,290 @@
+"""memory="adam": each rank selects from its own Adam update, and the user's Adam/AdamW becomes the
+step that applies the averaged update (sparsifiers/adam_memory.py)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader
+
+import ssfusion_lightning as ssf
+from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
+from ssfusion_lightning.sparsifiers.adam_memory import AveragedUpdate
+from tests.workloads import Regressor, make_trainer, regression_data
+
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+def adam_updates(grads: list[torch.Tensor], betas=BETAS, eps=EPS) -> list[torch.Tensor]:
+    """Adam's bias-corrected update per step, by the formula, in float64."""
+    m = v = torch.zeros_like(grads[0], dtype=torch.float64)
+    updates = []
+    for t, grad in enumerate(grads, start=1):
+        g = grad.double()
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        updates.append((m / (1 - betas[0] ** t)) / ((v / (1 - betas[1] ** t)).sqrt() + eps))
+    return updates
+
+
+# --------------------------------------------------------------------------- the memory alone
+def test_the_update_is_adams_by_hand():
+    """Step 1 of Adam is g / (|g| + eps); step 2 follows the bias-corrected moments."""
+    memory = build_memory("adam")
+    g1, g2 = torch.tensor([3.0, -0.5, 0.0, 2.0], dtype=torch.float64), torch.tensor([1.0, 1.0, -4.0, -2.0], dtype=torch.float64)
+    first = memory.compensate_dense("w", g1)
+    assert torch.allclose(first, g1 / (g1.abs() + EPS), rtol=1e-15, atol=0)
+    memory.settle_dense("w", g1)
+    m = 0.1 * (0.9 * g1 + g2) / (1 - 0.9**2)
+    v = 0.001 * (0.999 * g1 * g1 + g2 * g2) / (1 - 0.999**2)
+    assert torch.allclose(memory.compensate_dense("w", g2), m / (v.sqrt() + EPS), rtol=1e-12, atol=0)
+    assert memory.residual("w") is None  # a dense slot owes nothing
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.sampled_from([(1,), (5,), (3, 7), (2, 3, 4)]),
+    density=st.floats(0.05, 1.0),
+    steps=st.integers(1, 10),
+    seed=st.integers(0, 10_000),
+)
+def test_sent_plus_residual_is_the_compensated_update_and_nothing_is_lost(shape, density, steps, seed):
+    """At every step sent + r == compensated exactly (sent positions zeroed), and over the run the
+    sent values plus the final residual add up to the sum of Adam's updates."""
+    generator = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(shape, generator=generator, dtype=torch.float64) for _ in range(steps)]
+    memory, sparsifier = build_memory("adam"), build_sparsifier("topk", density=density)
+    sent_total = torch.zeros(shape, dtype=torch.float64)
+    for grad in grads:
+        compensated = memory.compensate("w", grad)
+        values, indices = sparsifier.select(compensated, key="w")
+        sent = torch.zeros(compensated.numel(), dtype=torch.float64)
+        sent[indices] = values
+        memory.update("w", grad, indices)
+        assert torch.equal(sent.view(shape) + memory.residual("w"), compensated)
+        assert not memory.residual("w").reshape(-1)[indices].any()
+        sent_total += sent.view(shape)
+    expected = torch.stack(adam_updates(grads)).sum(0)
+    assert torch.allclose(sent_total + memory.residual("w"), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_the_moments_never_see_the_selection():
+    """Adam's moments are the optimizer's: sparse and dense rounds step them alike (no masking)."""
+    sparse, dense = build_memory("adam"), build_memory("adam")
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        grad = torch.randn(4, 6, generator=generator)
+        sparse.compensate("w", grad)
+        sparse.update("w", grad, torch.tensor([0, 5, 7]))
+        dense.settle_dense("w", grad)
+    assert torch.equal(sparse.first_moments["w"], dense.first_moments["w"])
+    assert torch.equal(sparse.second_moments["w"], dense.second_moments["w"])
+    assert sparse.steps == dense.steps == {"w": 5}
+
+
+def test_dense_rounds_through_the_averaged_update_are_adamw():
+    """One rank, every slot dense: the memory's update applied by AveragedUpdate is torch's AdamW
+    (weight decay per group, a learning rate changed between steps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).double()
+    twin = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).double()
+    twin.load_state_dict(model.state_dict())
+
+    def groups(module):
+        params = list(module.parameters())
+        return [{"params": [p for p in params if p.ndim == 2], "weight_decay": 0.1}, {"params": [p for p in params if p.ndim == 1]}]
+
+    reference = torch.optim.AdamW(groups(twin), lr=0.01, weight_decay=0.0, foreach=False)
+    replaced = torch.optim.AdamW(groups(model), lr=0.01, weight_decay=0.0)
+    memory = build_memory("adam")
+    (ours,) = memory.take_over([replaced])
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    for step in range(12):
+        for group in replaced.param_groups + reference.param_groups:  # a schedule acting on the user's optimizer
+            group["lr"] = 0.01 / (1 + step)
+        for module in (model, twin):
+            module.zero_grad()
+            nn.functional.mse_loss(module(x), y).backward()
+        for name, param in model.named_parameters():
+            update = memory.compensate_dense(name, param.grad)
+            memory.settle_dense(name, param.grad)
+            param.grad = update
+        ours.step()
+        reference.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_take_over_moves_betas_and_eps_and_shares_the_groups():
+    params = [nn.Parameter(torch.ones(3))]
+    adam = torch.optim.Adam(params, lr=0.5, betas=(0.8, 0.99), eps=1e-6)
+    memory = build_memory("adam")
+    (replacement,) = memory.take_over([adam])
+    assert isinstance(replacement, AveragedUpdate) and replacement.replaced_name == "Adam"
+    assert memory.betas == (0.8, 0.99) and memory.eps == 1e-6
+    assert replacement.param_groups[0] is adam.param_groups[0]
+    assert replacement.param_groups[0]["momentum"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: [torch.optim.SGD(p, lr=0.1)], "the optimizers are SGD"),
+        (lambda p: [torch.optim.AdamW(p, amsgrad=True)], "amsgrad=True"),
+        (lambda p: [torch.optim.Adam(p, weight_decay=0.1)], "Adam with weight_decay=0.1 added to the gradient"),
+        (
+            lambda p: [torch.optim.AdamW([{"params": p[:1]}, {"params": p[1:], "betas": (0.5, 0.9)}])],
+            "different betas and eps",
+        ),
+    ],
+    ids=["sgd", "amsgrad", "coupled-decay", "two-betas"],
+)
+def test_take_over_refuses_what_it_cannot_compute(make, message):
+    params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))]
+    with pytest.raises(ValueError, match=message):
+        build_memory("adam").take_over(make(params))
+
+
+def test_a_lr_scheduler_moved_to_the_replacement_does_not_warn():
+    params = [nn.Parameter(torch.ones(2))]
+    adamw = torch.optim.AdamW(params, lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.5**step)
+    (replacement,) = build_memory("adam").take_over([adamw])
+    schedule.optimizer = replacement
+    params[0].grad = torch.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replacement.step()
+        schedule.step()
+    assert replacement.param_groups[0]["lr"] == 0.5
+
+
+def test_a_scaled_gradient_is_refused():
+    with pytest.raises(ValueError, match="GradScaler"):
+        build_memory("adam").compensate("w", torch.ones(3), loss_scale=torch.tensor(1024.0))
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="clip_norm must be None or a number >= 0, got -1"):
+        build_memory("adam", clip_norm=-1)
+
+
+# --------------------------------------------------------------------------- in the strategy, 2 ranks
+ADAM = dict(memory="adam", fusion="ahead", offload="none", process_groups=1)
+
+
+class Batches(L.Callback):
+    """The batches this rank trained on, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append((batch[0].clone(), batch[1].clone()))
+
+
+def adam_run(kwargs: dict, steps: int = 8, **trainer_kwargs):
+    L.seed_everything(0, verbose=False)
+    model = Regressor(optimizer="adamw", lr=0.01)
+    batches = Batches()
+    trainer = make_trainer(ssf.SSFusionStrategy(**kwargs), steps, callbacks=[batches], **trainer_kwargs)
+    trainer.fit(model, DataLoader(regression_data(), batch_size=16))
+    optimizer = trainer.optimizers[0]
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params, type(optimizer).__name__, optimizer.param_groups[0]["lr"], batches.seen
+
+
+def averaged_adam_reference(batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """By hand: every rank's Adam update from its own batches (``batches[rank][step]``), the updates
+    averaged, applied with the schedule's rate and AdamW's decoupled decay."""
+    L.seed_everything(0, verbose=False)
+    model = Regressor(optimizer="adamw", lr=0.01)
+    world, steps = len(batches), len(batches[0])
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    moments = [{n: (0.0, 0.0) for n, _ in trained} for _ in range(world)]
+    for step in range(steps):
+        updates = []
+        for rank in range(world):
+            x, y = batches[rank][step]
+            model.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            update, t = {}, step + 1
+            for name, param in trained:
+                m, v = moments[rank][name]
+                m, v = 0.9 * m + 0.1 * param.grad, 0.999 * v + 0.001 * param.grad**2
+                moments[rank][name] = (m, v)
+                update[name] = (m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + EPS)
+            updates.append(update)
+        lr = 0.01 / (1 + step)
+        with torch.no_grad():
+            for name, param in trained:
+                decay = 0.1 if param.ndim >= 2 else 0.0
+                param -= lr * (sum(u[name] for u in updates) / world + decay * param)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def dense_adam_against_reference():
+    params, optimizer, lr, seen = adam_run(dict(ADAM, sparsifier="none", comm="allreduce"))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    return params, optimizer, lr, averaged_adam_reference(everyone)
+
+
+def test_dense_slots_apply_the_ranks_averaged_adam_update(pool2):
+    for params, optimizer, lr, reference in pool2.run(dense_adam_against_reference):
+        assert optimizer == "AveragedUpdate"
+        assert lr == pytest.approx(0.01 / 9)  # the schedule stepped 8 times on the replacement
+        for name in reference:
+            assert torch.allclose(params[name], reference[name], rtol=0, atol=1e-6), name
+
+
+def sparse_adam_runs():
+    return adam_run(dict(ADAM, sparsifier="topk", density=0.1, comm="hybrid"), steps=12)
+
+
+def test_sparse_adam_keeps_the_ranks_identical(pool2):
+    (a, name_a, _, _), (b, name_b, _, _) = pool2.run(sparse_adam_runs)
+    assert name_a == name_b == "AveragedUpdate"
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def refused_setup(what: str) -> str:
+    trainer_kwargs = {"gradient_clip_val": 1.0} if what == "clip" else {
+        "plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]
+    }
+    try:
+        adam_run(dict(ADAM, sparsifier="topk", density=0.1, comm="allgather"), steps=1, **trainer_kwargs)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("clip", "gradient_clip_val=None and clip each rank's gradient before its moments with memory_options={'clip_norm': 1.0}"),
+        ("fp16", "use precision='bf16-mixed' or '32-true'"),
+    ],
+)
+def test_what_would_act_on_the_update_is_refused_at_setup(pool2, what, message):
+    for error in pool2.run(refused_setup, what):
+        assert message in error
+
+
+def test_the_clip_suggested_is_dgcs_local_clipping():
+    memory = build_memory("adam", clip_norm=1.0)
+    memory.set_world_size(4)
+    grad = torch.full((4,), 10.0)  # norm 20, clipped to 1 / sqrt(4) = 0.5
+    clipped = grad * (0.5 / 20.0)
+    assert torch.equal(memory.compensate_dense("w", grad), build_memory("adam").compensate_dense("w", clipped))
+    assert math.isclose(float(torch.linalg.vector_norm(clipped)), 0.5)
