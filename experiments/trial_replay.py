@@ -71,17 +71,19 @@ def keeps_dense(
         return combine([statistics.median(w[1:]) for w in windows])
 
     trial = PlanTrial(steps, phase=DENSE, sparse_seconds=agreed(rank_windows(sparse, steps, rng)))
-    windows = rank_windows(dense, steps, rng)
-    for seconds in windows[0]:
-        trial.record(seconds)
-    if trial.end_dense(lambda local: agreed(windows)) != CONFIRM:
-        return False
-    if not confirm:
-        return True
-    windows = rank_windows(sparse, steps, rng)
-    for seconds in windows[0]:
-        trial.record(seconds)
-    return trial.end_confirm(lambda local: agreed(windows))
+    while trial.phase == DENSE:  # twice where the sparse windows drifted apart (trial.DRIFT_LIMIT)
+        windows = rank_windows(dense, steps, rng)
+        for seconds in windows[0]:
+            trial.record(seconds)
+        if trial.end_dense(lambda local: agreed(windows)) != CONFIRM:
+            return False
+        if not confirm:
+            return True
+        windows = rank_windows(sparse, steps, rng)
+        for seconds in windows[0]:
+            trial.record(seconds)
+        trial.end_confirm(lambda local: agreed(windows))
+    return trial.dense_kept
 
 
 def replay(runs: list[dict], steps: int, draws: int, seed: int) -> list[dict]:

@@ -3,6 +3,7 @@ ranks, where every rank must switch plans at the same step and decide alike."""
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import lightning as L
@@ -17,7 +18,8 @@ from ssfusion_lightning.commcost import Link
 from ssfusion_lightning.engine import engine as engine_module
 from ssfusion_lightning.engine.agreement import mean_over_ranks
 from ssfusion_lightning.engine.engine import FusionEngine
-from ssfusion_lightning.engine.trial import CONFIRM, DENSE, DONE, FUSED, SPARSE, PlanTrial
+from ssfusion_lightning.engine import trial as trial_module
+from ssfusion_lightning.engine.trial import CONFIRM, DENSE, DONE, DRIFT_LIMIT, FUSED, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import cut as cut_module
 from tests.workloads import Regressor, checkpoint_and_resume, make_trainer, regression_data
 
@@ -56,12 +58,14 @@ def test_dense_no_slower_than_sparse_measures_sparse_again(dense_median, confirm
 @pytest.mark.parametrize(
     "dense_median, again, kept",
     # the sparse plan's step is the mean of its windows before (0.07) and after dense
-    [(0.06, 0.05, True), (0.06, 0.04, False), (0.065, 0.06, True), (0.07, 0.07, True), (0.07, 0.069, False)],
+    # (within DRIFT_LIMIT of each other: farther apart, both are measured again)
+    [(0.06, 0.055, True), (0.065, 0.058, False), (0.065, 0.06, True), (0.07, 0.07, True), (0.07, 0.069, False)],
 )
 def test_dense_is_kept_where_its_median_is_at_most_the_mean_of_the_sparse_windows(dense_median, again, kept):
     trial = PlanTrial(1, phase=DENSE, sparse_seconds=0.07)
     assert measured(trial, 1.0, dense_median).end_dense(agreed(0.0)) == CONFIRM
-    assert measured(trial, 1.0, again - 0.005).end_confirm(agreed(0.005)) == kept  # a tie keeps dense: it loses no accuracy
+    assert measured(trial, 1.0, again - 0.005).end_confirm(agreed(0.005)) == DONE
+    assert trial.dense_kept == kept  # a tie keeps dense: it loses no accuracy
     assert trial.phase == DONE and not trial.active and trial.confirmed_seconds == pytest.approx(again)
     assert trial.sparse_estimate == pytest.approx((0.07 + again) / 2) and trial.dense_kept == kept
 
@@ -90,8 +94,44 @@ def test_dense_competes_with_the_better_sparse_plan():
     assert trial.summary() == "sparse 90 ms, one buffer 50 ms, dense 60 ms a step -> one buffer"
     again = measured(PlanTrial(1, phase=DENSE, sparse_seconds=0.09, fused_seconds=0.05), 1.0, 0.045)
     assert again.end_dense(agreed(0.0)) == CONFIRM
-    assert measured(again, 1.0, 0.06).end_confirm(agreed(0.0)) and again.sparse_estimate == pytest.approx(0.055)
+    assert measured(again, 1.0, 0.06).end_confirm(agreed(0.0)) == DONE and again.dense_kept
+    assert again.sparse_estimate == pytest.approx(0.055)
     assert again.summary() == "sparse 90 ms, one buffer 50 ms, dense 45 ms, sparse again 60 ms a step -> dense"
+
+
+def test_sparse_windows_that_drifted_apart_measure_dense_and_sparse_once_more():
+    """The host slowed during the second sparse window (0.07 -> 0.095, beyond DRIFT_LIMIT): dense
+    (0.068) is measured again beside it, the second sparse window is the one before the new dense
+    one, and the decision is taken on the second comparison alone."""
+    trial = PlanTrial(1, phase=DENSE, sparse_seconds=0.07)
+    assert measured(trial, 1.0, 0.068).end_dense(agreed(0.0)) == CONFIRM
+    assert measured(trial, 1.0, 0.095).end_confirm(agreed(0.0)) == DENSE == trial.phase
+    assert trial.discarded == (pytest.approx(0.068), pytest.approx(0.095)) and trial.dense_seconds is None
+    assert trial.before_dense_seconds == pytest.approx(0.095) and not trial.dense_kept
+    # under the slower host dense takes 0.094 and sparse 0.09 again: sparse is kept (0.0925 a step),
+    # where the first comparison's mean (0.0825 against 0.068) would have kept dense
+    assert measured(trial, 1.0, 0.094).end_dense(agreed(0.0)) == CONFIRM
+    assert measured(trial, 1.0, 0.09).end_confirm(agreed(0.0)) == DONE and not trial.dense_kept
+    assert trial.sparse_estimate == pytest.approx((0.095 + 0.09) / 2)
+    assert trial.summary() == (
+        "sparse 70 ms, dense 68 ms, sparse again 95 ms, dense 94 ms, sparse again 90 ms a step -> sparse"
+    )
+
+
+def test_the_drift_check_measures_again_once_only():
+    trial = PlanTrial(1, phase=DENSE, sparse_seconds=0.07)
+    measured(trial, 1.0, 0.06).end_dense(agreed(0.0))
+    assert measured(trial, 1.0, 0.05).end_confirm(agreed(0.0)) == DENSE  # 0.07 / 0.05 = 1.4
+    measured(trial, 1.0, 0.04).end_dense(agreed(0.0))
+    assert measured(trial, 1.0, 0.03).end_confirm(agreed(0.0)) == DONE  # 0.05 / 0.03 drifts too: no third time
+    assert trial.dense_kept and trial.sparse_estimate == pytest.approx(0.04)  # (0.05 + 0.03) / 2: a tie keeps dense
+
+
+@pytest.mark.parametrize("again", [0.0545, 0.09])
+def test_windows_within_the_drift_limit_decide_at_once(again):
+    trial = PlanTrial(1, phase=DENSE, sparse_seconds=0.07)
+    measured(trial, 1.0, 0.05).end_dense(agreed(0.0))
+    assert measured(trial, 1.0, again).end_confirm(agreed(0.0)) == DONE and trial.discarded is None
 
 
 def test_a_resumed_trial_measures_its_phase_again():
@@ -142,11 +182,12 @@ def slow_allreduce_and_floor(floor: float):
         FusionEngine._dense_floor, engine_module.measure_links = original
 
 
-def train_with_trial(steps: int, floor: float, medians: dict[str, float] | None = None) -> dict:
+def train_with_trial(steps: int, floor: float, medians: dict[str, float | list[float]] | None = None) -> dict:
     """comm=auto with a 2-step trial after the 3 profiled rounds (steps 1-3; costs from step 4 on):
     the sparse phase times steps 4 to 6 (4 left out), the dense phase (where it runs) 7 to 9, the
     sparse plan again (where dense measured no slower) 10 to 12. ``medians``: each phase's agreed
-    median, scripted (None: measured)."""
+    median, scripted (a list: one per time the phase ends; None: measured, and then with no drift
+    check, whose second comparison would outlast the run: the drift's own test scripts it)."""
     L.seed_everything(0, verbose=False)
     model = Regressor(width=256)
     strategy = ssf.SSFusionStrategy(
@@ -160,7 +201,7 @@ def train_with_trial(steps: int, floor: float, medians: dict[str, float] | None 
             engine = strategy.engine
             plans.append((engine.step, all(not b.sparse_slots for b in engine.plan.buffers)))
 
-    with slow_allreduce_and_floor(floor), scripted_medians(medians):
+    with slow_allreduce_and_floor(floor), scripted_medians(medians), drift_limit(math.inf if medians is None else DRIFT_LIMIT):
         make_trainer(strategy, steps, callbacks=[PlanPerStep()]).fit(model, DataLoader(regression_data(), batch_size=16))
     state = strategy._final_engine_state
     return {
@@ -176,11 +217,27 @@ def scripted_medians(medians: dict[str, float] | None):
     """The agreed median of each phase is ``medians[phase]`` (None: the engine's own agreement)."""
     original = FusionEngine._agreed_mean
     if medians is not None:
-        FusionEngine._agreed_mean = lambda self, value: medians[self._trial.phase]
+        queues = {phase: list(value) if isinstance(value, list) else None for phase, value in medians.items()}
+
+        def scripted(self, value: float) -> float:
+            phase = self._trial.phase
+            return medians[phase] if queues[phase] is None else queues[phase].pop(0)
+
+        FusionEngine._agreed_mean = scripted
     try:
         yield
     finally:
         FusionEngine._agreed_mean = original
+
+
+@contextmanager
+def drift_limit(limit: float):
+    original = trial_module.DRIFT_LIMIT
+    trial_module.DRIFT_LIMIT = limit
+    try:
+        yield
+    finally:
+        trial_module.DRIFT_LIMIT = original
 
 
 def kept_dense(trial_state: dict) -> bool:
@@ -211,20 +268,36 @@ def test_every_rank_runs_the_trial_at_the_same_steps_and_decides_alike(pool2):
             assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
 
 
-@pytest.mark.parametrize("again, kept", [(0.05, True), (0.02, False)])
+@pytest.mark.parametrize("again, kept", [(0.06, True), (0.058, False)])
 def test_a_dense_phase_no_slower_is_checked_against_the_sparse_plan_measured_again(pool2, again, kept):
-    """Dense 0.05 s against sparse 0.07 s: the sparse plan runs again (steps 10-12), and dense is
-    kept where it is no slower than the mean of the two sparse windows (0.06 s; 0.045 s)."""
-    medians = {SPARSE: 0.07, DENSE: 0.05, CONFIRM: again}
+    """Dense 0.065 s against sparse 0.07 s: the sparse plan runs again (steps 10-12), and dense is
+    kept where it is no slower than the mean of the two sparse windows (0.065 s; 0.064 s)."""
+    medians = {SPARSE: 0.07, DENSE: 0.065, CONFIRM: again}
     results = pool2.run(train_with_trial, 15, 0.0, medians)
     first = results[0]
-    expected = {"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": None, "dense_seconds": 0.05, "confirmed_seconds": again}
+    expected = {"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": None, "dense_seconds": 0.065, "confirmed_seconds": again,
+                "discarded": None}
     assert first["trial"] == expected and first["dense_measured_faster"] == kept
     assert [first["all_dense"][step] for step in range(4, 15)] == [False] * 3 + [True] * 3 + [False] * 3 + [kept] * 2
     for rank, result in enumerate(results):
         assert result["trial"] == expected and result["all_dense"] == first["all_dense"]
         for name, value in result["params"].items():
             assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
+
+
+def test_sparse_windows_that_drifted_apart_repeat_the_comparison_on_every_rank_alike(pool2):
+    """The second sparse window (0.095 s) is 1.36x the first (0.07 s): dense runs again (steps
+    13-15, 0.09 s) and the sparse plan after it (16-18, 0.088 s); dense is kept from step 19 on
+    the second comparison (0.09 against the mean 0.0915), on every rank."""
+    medians = {SPARSE: 0.07, DENSE: [0.065, 0.09], CONFIRM: [0.095, 0.088]}
+    results = pool2.run(train_with_trial, 22, 0.0, medians)
+    first = results[0]
+    expected = {"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": None, "dense_seconds": 0.09, "confirmed_seconds": 0.088,
+                "discarded": [0.065, 0.095]}
+    assert first["trial"] == expected and first["dense_measured_faster"]
+    assert [first["all_dense"][step] for step in range(4, 22)] == ([False] * 3 + [True] * 3) * 3
+    for result in results:
+        assert result["trial"] == expected and result["all_dense"] == first["all_dense"]
 
 
 def test_no_dense_step_is_taken_where_the_link_rules_dense_out(pool2):
@@ -249,13 +322,14 @@ def test_a_run_without_the_trial_saves_none(pool2):
 
 def resume_after_trial(path: str, floor: float) -> tuple[dict, dict, bool, bool]:
     """Train through the trial (13 steps) and checkpoint, then resume to step 15: the trial's
-    outcome and the plan it kept come back as saved, and no phase runs again."""
+    outcome and the plan it kept come back as saved, and no phase runs again. Measured step times,
+    so no drift check (its second comparison would outlast the 13 steps)."""
     L.seed_everything(0, verbose=False)
     options = dict(
         sparsifier="topk", density=0.01, fusion="ahead", comm="auto", offload="none",
         comm_options={"dense_trial_steps": 2, "schemes": ["allreduce", "allgather"]},
     )
-    with slow_allreduce_and_floor(floor):
+    with slow_allreduce_and_floor(floor), drift_limit(math.inf):
         first, second, resumed = checkpoint_and_resume(
             lambda: ssf.SSFusionStrategy(**options), path, 13, 15,
             lambda engine: {"all_dense": all(not b.sparse_slots for b in engine.plan.buffers)}, width=256,
@@ -317,7 +391,7 @@ def test_every_rank_measures_one_buffer_and_keeps_the_faster_plan(pool2, fused_m
     results = pool2.run(train_with_fused_phase, 12, fused_median)
     first = results[0]
     assert first["trial"] == {
-        "phase": DONE, "sparse_seconds": 0.07, "fused_seconds": fused_median, "dense_seconds": None, "confirmed_seconds": None,
+        "phase": DONE, "sparse_seconds": 0.07, "fused_seconds": fused_median, "dense_seconds": None, "confirmed_seconds": None, "discarded": None,
     }
     assert first["fused_measured_faster"] == kept
     buffers = first["buffers"]

@@ -57,7 +57,7 @@ from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
 from ssfusion_lightning.engine.round import Round
 from ssfusion_lightning.engine.trial import DENSE as DENSE_PHASE
-from ssfusion_lightning.engine.trial import DONE, FUSED, SPARSE, PlanTrial
+from ssfusion_lightning.engine.trial import FUSED, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.fusion.cut import recut_dense_runs
@@ -756,8 +756,7 @@ class FusionEngine:
         elif trial.phase == DENSE_PHASE:
             entered = trial.end_dense(self._agreed_mean)
         else:
-            trial.end_confirm(self._agreed_mean)
-            entered = DONE
+            entered = trial.end_confirm(self._agreed_mean)
         if not trial.active and dist.get_rank() == 0:  # a trial runs only between ranks
             log.info("ssfusion: plan trial: %s", trial.summary())
         self._replan_for_trial(

@@ -35,7 +35,12 @@ user pays, the step:
    every rank's measured steps where dense is 8% slower (experiments/trial_replay.py), this rule
    keeps dense in 0.137 of trials with 8-step windows and a max over ranks, 0.075 with comm=auto's
    16 steps and the mean;
-5. ``done``: dense stays where its median is at most the sparse plan's (the mean of its two
+5. where the two sparse windows differ by more than ``DRIFT_LIMIT``, the host's speed changed
+   between them (seen once: every step of either plan went from 55-67 ms to 72-100 ms during the
+   second window, text LM at P = 2), and a mean of the two would weigh dense against a sparse plan
+   half measured in other conditions: dense and the sparse plan are measured once more, the second
+   sparse window now the one before dense. Once only, so the trial still ends;
+6. ``done``: dense stays where its median is at most the sparse plan's (the mean of its two
    windows where both ran), else that sparse plan returns.
 
 Every decision is made from agreed numbers at step counts every rank shares, so every rank
@@ -49,6 +54,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 SPARSE, FUSED, DENSE, CONFIRM, DONE = "sparse", "fused", "dense", "confirm", "done"
+#: the ratio of two agreed sparse windows beyond which they were measured in different conditions:
+#: above the 95th percentile (1.29) of the ratios of 16-step window pairs on the same plan, every
+#: rank's steps of the digits cell at P = 4 on 2 cores (experiments/trial_replay.py's runs)
+DRIFT_LIMIT = 1.3
 
 
 @dataclass
@@ -67,6 +76,9 @@ class PlanTrial:
     dense_seconds: float | None = None
     #: the agreed median step of the better sparse plan measured again after dense (None: not measured)
     confirmed_seconds: float | None = None
+    #: the dense and sparse-again medians of a first comparison whose sparse windows differed by more
+    #: than ``DRIFT_LIMIT``; that sparse-again window is the one before the second dense window
+    discarded: tuple[float, float] | None = None
 
     @property
     def active(self) -> bool:
@@ -82,11 +94,16 @@ class PlanTrial:
         return self.fused_seconds if self.fused_kept else self.sparse_seconds
 
     @property
+    def before_dense_seconds(self) -> float | None:
+        """The better sparse plan's window just before the (latest) dense one."""
+        return self.best_sparse_seconds if self.discarded is None else self.discarded[1]
+
+    @property
     def sparse_estimate(self) -> float | None:
         """The better sparse plan's step: the mean of its windows before and after dense where both ran."""
         if self.confirmed_seconds is None:
-            return self.best_sparse_seconds
-        return (self.best_sparse_seconds + self.confirmed_seconds) / 2
+            return self.before_dense_seconds
+        return (self.before_dense_seconds + self.confirmed_seconds) / 2
 
     @property
     def dense_kept(self) -> bool:
@@ -124,14 +141,23 @@ class PlanTrial:
         """Close the dense phase on the agreed median; returns the phase entered: ``confirm`` where
         dense measured no slower than the better sparse plan, else ``done`` (sparse kept)."""
         self.dense_seconds = self._agreed_median(agree)
-        self.phase = CONFIRM if self.dense_seconds <= self.best_sparse_seconds else DONE
+        self.phase = CONFIRM if self.dense_seconds <= self.before_dense_seconds else DONE
         return self.phase
 
-    def end_confirm(self, agree: Callable[[float], float]) -> bool:
-        """Close the second sparse window on the agreed median; True when dense is kept."""
-        self.confirmed_seconds = self._agreed_median(agree)
+    def end_confirm(self, agree: Callable[[float], float]) -> str:
+        """Close the second sparse window on the agreed median; returns the phase entered: ``dense``
+        once, where the two sparse windows differ by more than ``DRIFT_LIMIT``, else ``done``
+        (``dense_kept`` says which plan stays)."""
+        confirmed = self._agreed_median(agree)
+        before = self.before_dense_seconds
+        if self.discarded is None and max(confirmed, before) > DRIFT_LIMIT * min(confirmed, before):
+            self.discarded = (self.dense_seconds, confirmed)
+            self.dense_seconds = None
+            self.phase = DENSE
+            return self.phase
+        self.confirmed_seconds = confirmed
         self.phase = DONE
-        return self.dense_kept
+        return self.phase
 
     def summary(self) -> str:
         """The measured medians and the kept plan, for the log."""
@@ -139,6 +165,8 @@ class PlanTrial:
             ("sparse", self.sparse_seconds), ("one buffer", self.fused_seconds), ("dense", self.dense_seconds),
             ("sparse again", self.confirmed_seconds),
         ]
+        if self.discarded is not None:
+            measured[2:2] = [("dense", self.discarded[0]), ("sparse again", self.discarded[1])]
         medians = ", ".join(f"{name} {1e3 * seconds:.3g} ms" for name, seconds in measured if seconds is not None)
         kept = "dense" if self.dense_kept else "one buffer" if self.fused_kept else "sparse"
         return f"{medians} a step -> {kept}"
@@ -147,6 +175,7 @@ class PlanTrial:
         return {
             "phase": self.phase, "sparse_seconds": self.sparse_seconds, "fused_seconds": self.fused_seconds,
             "dense_seconds": self.dense_seconds, "confirmed_seconds": self.confirmed_seconds,
+            "discarded": None if self.discarded is None else list(self.discarded),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -155,4 +184,6 @@ class PlanTrial:
         self.fused_seconds = state.get("fused_seconds")  # absent in checkpoints written before the fused phase
         self.dense_seconds = state["dense_seconds"]
         self.confirmed_seconds = state.get("confirmed_seconds")  # absent in checkpoints written before the confirm phase
+        discarded = state.get("discarded")  # absent in checkpoints written before the drift check
+        self.discarded = None if discarded is None else (discarded[0], discarded[1])
         self.samples = []
