@@ -16,9 +16,9 @@ import ssfusion_lightning as ssf
 from ssfusion_lightning.comm import COMMUNICATORS
 from ssfusion_lightning.commcost import Link
 from ssfusion_lightning.engine import engine as engine_module
+from ssfusion_lightning.engine import trial as trial_module
 from ssfusion_lightning.engine.agreement import mean_over_ranks
 from ssfusion_lightning.engine.engine import FusionEngine
-from ssfusion_lightning.engine import trial as trial_module
 from ssfusion_lightning.engine.trial import CONFIRM, DENSE, DONE, DRIFT_LIMIT, FUSED, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import cut as cut_module
 from tests.workloads import Regressor, checkpoint_and_resume, make_trainer, regression_data
