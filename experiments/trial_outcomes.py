@@ -34,6 +34,7 @@ def outcomes(runs: list[dict], first: int) -> list[dict]:
         rows.append({
             "launch": run["launch"], "label": run["label"], "seed": run["seed"],
             **{key: trial.get(f"{key}_seconds") for key in ("sparse", "fused", "dense", "confirmed")},
+            "discarded": trial.get("discarded"),
             "kept": "dense" if kept_dense else "sparse",
             "step": statistics.median(run["step_seconds"][first:]),
             "ddp step": ddp[cell(run)],
@@ -56,17 +57,23 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:.1f}"
 
 
+def _discarded(medians: list[float] | None) -> str:
+    """The first comparison's dense and sparse-again medians where the trial measured them again."""
+    return "-" if not medians else f"{_ms(medians[0])}, {_ms(medians[1])}"
+
+
 def markdown(rows: list[dict], total: dict, first: int) -> str:
     lines = [
         f"The plan trial per seed: the ranks' agreed medians, the plan kept, and the median step from step {first} on "
         "against DDP's in the same launch and seed (ms).",
         "",
-        "| launch | scheme | seed | sparse | one buffer | dense | sparse again | kept | step | DDP's step | step / DDP's |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| launch | scheme | seed | sparse | one buffer | drifted: dense, sparse again | dense | sparse again | kept | step | DDP's step | step / DDP's |",
+        "|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['launch']} | {r['label']} | {r['seed']} | {_ms(r['sparse'])} | {_ms(r['fused'])} | {_ms(r['dense'])} | "
+            f"| {r['launch']} | {r['label']} | {r['seed']} | {_ms(r['sparse'])} | {_ms(r['fused'])} | {_discarded(r['discarded'])} | "
+            f"{_ms(r['dense'])} | "
             f"{_ms(r['confirmed'])} | {r['kept']} | {_ms(r['step'])} | {_ms(r['ddp step'])} | {r['step'] / r['ddp step']:.2f} |"
         )
     lines += [

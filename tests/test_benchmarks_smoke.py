@@ -810,7 +810,8 @@ def test_trial_outcomes_names_the_kept_plan_and_compares_each_seed_with_its_own_
     trial = {"phase": "done", "sparse_seconds": 0.08, "dense_seconds": 0.09}
     runs = [
         run(0, "ddp", 0.09), run(0, "ssfusion", 0.08, trial=trial),
-        run(1, "ddp", 0.07), run(1, "ssfusion", 0.095, dense=True, trial=dict(trial, confirmed_seconds=0.1)),
+        run(1, "ddp", 0.07),
+        run(1, "ssfusion", 0.095, dense=True, trial=dict(trial, confirmed_seconds=0.1, discarded=[0.06, 0.11])),
         run(1, "ssfusion_notrial", 0.05),
     ]
     rows = trial_outcomes.outcomes(runs, first=60)
@@ -822,7 +823,9 @@ def test_trial_outcomes_names_the_kept_plan_and_compares_each_seed_with_its_own_
     raw = tmp_path / "a_raw.jsonl"
     raw.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "launch"}) + "\n" for r in runs))
     assert trial_outcomes.main(["a", "--results", str(tmp_path), "--out", str(tmp_path)]) == 0
-    assert "2 seeds: dense kept in 1, a step slower than DDP's in 1" in (tmp_path / "trial_outcomes.md").read_text()
+    text = (tmp_path / "trial_outcomes.md").read_text()
+    assert "2 seeds: dense kept in 1, a step slower than DDP's in 1" in text
+    assert "| a | ssfusion | 1 | 80.0 | - | 60.0, 110.0 | 90.0 | 100.0 | dense |" in text  # the drifted first comparison
 
 
 # --------------------------------------------------------------------------- ef_optimizers.py
