@@ -27,11 +27,12 @@ from torch import Tensor
 
 from ssfusion_lightning.sparsifiers.memory import (
     MEMORIES,
+    LocallyClipped,
     Memory,
     _checked_commit,
     _zero_at,
     check_finite,
-    local_clip_factor,
+    validated_clip_norm,
 )
 
 #: the group settings an Adam step has beyond its learning rate and decoupled weight decay: they must
@@ -61,7 +62,7 @@ class AveragedUpdate(torch.optim.SGD):
 
 
 @MEMORIES.register("adam")
-class AdamMemory(Memory):
+class AdamMemory(LocallyClipped, Memory):
     """Error feedback on each rank's Adam update (see the module's notes).
 
     ``clip_norm``: DGC's local clipping of each gradient before it enters the moments (scaled to
@@ -74,10 +75,7 @@ class AdamMemory(Memory):
     """
 
     def __init__(self, clip_norm: float | None = None) -> None:
-        bad_clip = isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm < 0
-        if clip_norm is not None and bad_clip:
-            raise ValueError(f"clip_norm must be None or a number >= 0, got {clip_norm!r}")
-        self.clip_norm = float(clip_norm) if clip_norm else None
+        self.clip_norm = validated_clip_norm(clip_norm)
         self.betas = (0.9, 0.999)
         self.eps = 1e-8
         self.world_size = 1
@@ -86,9 +84,6 @@ class AdamMemory(Memory):
         self.steps: dict[str, int] = {}
         self.residuals: dict[str, Tensor] = {}
         self._clip_factors: dict[str, float] = {}
-
-    def set_world_size(self, world_size: int) -> None:
-        self.world_size = world_size
 
     # ------------------------------------------------------------ the optimizer
     def take_over(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[AveragedUpdate]:
@@ -124,16 +119,6 @@ class AdamMemory(Memory):
         return [AveragedUpdate(opt) for opt in optimizers]
 
     # ------------------------------------------------------------ one round
-    def _clipped(self, key: str, grad: Tensor, commit: bool) -> Tensor:
-        """The round's clipped gradient; the factor ``compensate`` found is the one its commit uses."""
-        if commit and key in self._clip_factors:
-            factor = self._clip_factors.pop(key)
-        else:
-            factor = local_clip_factor(grad, self.clip_norm, self.world_size)
-            if not commit and factor is not None:
-                self._clip_factors[key] = factor
-        return grad if factor is None else grad * factor
-
     def _fresh(self, key: str, grad: Tensor) -> bool:
         moment = self.first_moments.get(key)
         return moment is None or moment.shape != grad.shape or moment.dtype != grad.dtype
@@ -170,7 +155,7 @@ class AdamMemory(Memory):
         _refuse_scale(loss_scale)
         self._clip_factors.pop(key, None)
         residual = self._owed(key, grad)
-        update = self._update_of(key, self._clipped(key, grad, commit=False), in_place=False)
+        update = self._update_of(key, self._clipped(key, grad, None, commit=False), in_place=False)
         return update if residual is None else update.add_(residual)
 
     def update(
@@ -180,7 +165,7 @@ class AdamMemory(Memory):
         if not verified:
             check_finite(key, grad, "gradient")
         residual = self._owed(key, grad)
-        update = self._update_of(key, self._clipped(key, grad, commit=True), in_place=True)
+        update = self._update_of(key, self._clipped(key, grad, None, commit=True), in_place=True)
         if residual is None:
             residual = self.residuals[key] = update
         else:
@@ -197,7 +182,7 @@ class AdamMemory(Memory):
     def settle_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> None:
         _refuse_scale(loss_scale)
         check_finite(key, grad, "gradient")
-        self._update_of(key, self._clipped(key, grad, commit=True), in_place=True)
+        self._update_of(key, self._clipped(key, grad, None, commit=True), in_place=True)
         self.residuals.pop(key, None)
         _checked_commit(key, [self.first_moments[key], self.second_moments[key]], self._states)
 

@@ -142,16 +142,43 @@ def check_finite(key: str, tensor: Tensor, what: str = "compensated gradient") -
         )
 
 
-def local_clip_factor(grad: Tensor, clip_norm: float | None, world_size: int, loss_scale: Tensor | None = None) -> float | None:
-    """DGC's local clipping: the factor that scales ``grad`` to L2 norm ``clip_norm / sqrt(P)``
-    (P ranks' gradients of that norm sum to about ``clip_norm``), or None when it is within it or
-    clipping is off. ``clip_norm`` is in unscaled units."""
-    if clip_norm is None:
-        return None
-    norm = float(torch.linalg.vector_norm(grad, dtype=statistics_dtype(grad.dtype)))
-    local = clip_norm / math.sqrt(world_size)
-    limit = local if loss_scale is None else local * float(loss_scale)
-    return limit / norm if norm > limit else None
+def validated_clip_norm(clip_norm: Any) -> float | None:
+    """A memory's ``clip_norm`` option: None (or 0) for no clipping, else a number > 0."""
+    bad = isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm < 0
+    if clip_norm is not None and bad:
+        raise ValueError(f"clip_norm must be None or a number >= 0, got {clip_norm!r}")
+    return float(clip_norm) if clip_norm else None
+
+
+class LocallyClipped:
+    """DGC's local clipping, for a memory with ``clip_norm``, ``world_size`` and ``_clip_factors``:
+    each gradient is scaled to L2 norm ``clip_norm / sqrt(P)`` when larger (P ranks' gradients of
+    that norm sum to about ``clip_norm``); ``clip_norm`` is in unscaled units."""
+
+    clip_norm: float | None
+    world_size: int
+    _clip_factors: dict[str, float]  # taken by compensate, reused by the update that commits
+
+    def set_world_size(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def _clip_factor(self, grad: Tensor, loss_scale: Tensor | None) -> float | None:
+        if self.clip_norm is None:
+            return None
+        norm = float(torch.linalg.vector_norm(grad, dtype=statistics_dtype(grad.dtype)))
+        local = self.clip_norm / math.sqrt(self.world_size)
+        limit = local if loss_scale is None else local * float(loss_scale)
+        return limit / norm if norm > limit else None
+
+    def _clipped(self, key: str, grad: Tensor, loss_scale: Tensor | None, commit: bool) -> Tensor:
+        """The round's clipped gradient; the factor ``compensate`` found is the one its commit uses."""
+        if commit and key in self._clip_factors:
+            factor = self._clip_factors.pop(key)
+        else:
+            factor = self._clip_factor(grad, loss_scale)
+            if not commit and factor is not None:
+                self._clip_factors[key] = factor
+        return grad if factor is None else grad * factor
 
 
 def _zero_at(tensor: Tensor, sent_indices: Tensor) -> None:
@@ -398,7 +425,7 @@ class ResidualMemory(Memory):
 
 
 @MEMORIES.register("dgc")
-class DGCMemory(Memory):
+class DGCMemory(LocallyClipped, Memory):
     """Deep Gradient Compression's momentum correction with optional local gradient clipping.
 
     Per key: g <- clip(g) (scaled to L2 norm ``clip_norm / sqrt(P)`` when larger, DGC's local
@@ -419,19 +446,13 @@ class DGCMemory(Memory):
     def __init__(self, momentum: float = 0.9, clip_norm: float | None = None) -> None:
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        bad_clip = isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm < 0
-        if clip_norm is not None and bad_clip:
-            raise ValueError(f"clip_norm must be None or a number >= 0, got {clip_norm!r}")
         self.momentum = float(momentum)
-        self.clip_norm = float(clip_norm) if clip_norm else None
+        self.clip_norm = validated_clip_norm(clip_norm)
         self.world_size = 1
         self.momenta: dict[str, Tensor] = {}
         self.velocities: dict[str, Tensor] = {}
         self._clip_factors: dict[str, float] = {}  # taken by compensate, reused by the update that commits
         self._flat = _FlatStates()
-
-    def set_world_size(self, world_size: int) -> None:
-        self.world_size = world_size
 
     def take_momentum_from(self, optimizers: Sequence[torch.optim.Optimizer]) -> float | None:
         """Momentum correction replaces an SGD optimizer's momentum (applied twice otherwise: once
@@ -472,16 +493,6 @@ class DGCMemory(Memory):
             "moments the optimizer keeps itself; memory='residual' is plain error feedback, and "
             "memory_options={'momentum': 0} keeps memory='dgc' without momentum"
         )
-
-    def _clipped(self, key: str, grad: Tensor, loss_scale: Tensor | None, commit: bool) -> Tensor:
-        """The round's clipped gradient; the factor ``compensate`` found is the one its commit uses."""
-        if commit and key in self._clip_factors:
-            factor = self._clip_factors.pop(key)
-        else:
-            factor = local_clip_factor(grad, self.clip_norm, self.world_size, loss_scale)
-            if not commit and factor is not None:
-                self._clip_factors[key] = factor
-        return grad if factor is None else grad * factor
 
     def _fresh(self, key: str, grad: Tensor) -> bool:
         momentum = self.momenta.get(key)
