@@ -328,6 +328,33 @@ def test_bad_trainer_values_are_named(overrides, message):
         check_config(compose(*overrides))
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["strategy.memory=adam"], "strategy.memory=adam computes AdamW's step, but model.optimizer=sgd"),
+        (
+            ["model=gpt2", "data=synthetic_tokens", "strategy.memory=adam", "trainer.gradient_clip_val=0.5"],
+            "set trainer.gradient_clip_val=null and +strategy.memory_options.clip_norm=0.5",
+        ),
+    ],
+)
+def test_what_adam_memory_cannot_take_is_refused_before_launch(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_config(compose(*overrides))
+
+
+def test_adam_memory_trains_a_language_model_from_the_command_line(tmp_path):
+    """The Hydra path: the task's fused AdamW and its schedule are handed to the memory."""
+    from ssfusion_lightning.train import run
+
+    cfg = compose_config([
+        "trainer=cpu", "model=gpt2", "data=synthetic_tokens", "strategy.memory=adam", "trainer.max_steps=3", "logger=none",
+        "callbacks=none", f"paths.output_dir={tmp_path}",
+    ])
+    run(cfg)
+    assert json.loads((tmp_path / "results.json").read_text())["status"] == "completed"
+
+
 def test_lightning_misconfigurations_are_config_errors_before_launch(tmp_path):
     """What the light checks let through, Lightning refuses when the Trainer is built: still a
     ConfigError naming the part, raised before any rank is launched."""

@@ -221,9 +221,31 @@ def check_loggers(loggers: Any) -> None:
             )
 
 
+def check_adam_memory(cfg: Mapping[str, Any]) -> None:
+    """``strategy.memory=adam`` computes the task's AdamW step and sends the update: an SGD task or
+    the Trainer's clipping (which would clip the averaged update) is refused before any rank starts."""
+    strategy = cfg["strategy"]
+    if strategy.get("kind") != "ssfusion" or strategy.get("memory") != "adam":
+        return
+    optimizer = (cfg.get("model") or {}).get("optimizer")
+    if optimizer not in (None, "adamw"):
+        raise ConfigError(
+            f"strategy.memory=adam computes AdamW's step, but model.optimizer={show(optimizer)}; "
+            "use model.optimizer=adamw, or strategy.memory=dgc (SGD with momentum) or residual"
+        )
+    clip = cfg["trainer"].get("gradient_clip_val")
+    if clip:
+        raise ConfigError(
+            f"strategy.memory=adam sends Adam updates, so trainer.gradient_clip_val={show(clip)} would clip the averaged "
+            f"update; set trainer.gradient_clip_val=null and +strategy.memory_options.clip_norm={show(clip)} (each rank's "
+            "gradient, before its moments)"
+        )
+
+
 def check_config(cfg: Mapping[str, Any]) -> None:
     """Everything checkable before the job's objects are built (without torch, except for a GPU job)."""
     check_strategy(cfg["strategy"])
     check_trainer(cfg["trainer"])
     check_loggers(cfg.get("logger"))
+    check_adam_memory(cfg)
 
