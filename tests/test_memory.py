@@ -408,7 +408,7 @@ def test_dgc_dense_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, dtype
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
-    kind=st.sampled_from(["residual", "dgc", "adam"]),
+    kind=st.sampled_from(["residual", "dgc"]),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
     channels_last=st.booleans(),
     count=st.integers(2, 6),
@@ -443,14 +443,7 @@ def test_sparse_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, kind, dt
             assert torch.equal(together.residual(key), alone.residual(key))
             if kind == "dgc":
                 assert torch.equal(together.momenta[key], alone.momenta[key])
-            if kind == "adam":
-                assert torch.equal(together.first_moments[key], alone.first_moments[key])
-                assert torch.equal(together.second_moments[key], alone.second_moments[key])
-                assert together.steps[key] == alone.steps[key]
-        if kind != "residual" and step == 0:  # the first keys are sent dense once: their velocity/residual is flushed
-            dense_many = together.compensate_dense_many(keys[:2], grads[:2])
-            for tensor, key, grad in zip(dense_many, keys[:2], grads[:2]):
-                assert torch.equal(tensor, alone.compensate_dense(key, grad))
+        if kind == "dgc" and step == 0:  # the first key is sent dense once: its velocity is flushed
             together.settle_dense_many(keys[:2], grads[:2])
             for key, grad in zip(keys[:2], grads[:2]):
                 alone.settle_dense(key, grad)

@@ -34,7 +34,6 @@ from ssfusion_lightning.sparsifiers.memory import (
     check_finite,
     validated_clip_norm,
 )
-from ssfusion_lightning.sparsifiers.selection import all_finite
 
 #: the group settings an Adam step has beyond its learning rate and decoupled weight decay: they must
 #: be plain Adam's for the taken-over step to be the optimizer's
@@ -186,104 +185,6 @@ class AdamMemory(LocallyClipped, Memory):
         self._update_of(key, self._clipped(key, grad, None, commit=True), in_place=True)
         self.residuals.pop(key, None)
         _checked_commit(key, [self.first_moments[key], self.second_moments[key]], self._states)
-
-    # A buffer's slots are dozens of tensors, and every one of Adam's operations costs a dispatch per
-    # tensor: one at a time, the memory lengthened the LM's step at P = 4 on 2 cores by 9-17 ms
-    # (experiments/REPORT.md, "The LM's plateau is not the density's"). The many-tensor forms below
-    # make the same operations as foreach calls, which on fp32 and fp64 give the same bits per tensor;
-    # other dtypes, and a commit the engine has not verified, take the one-at-a-time path.
-    def _together(self, grads: Sequence[Tensor]) -> bool:
-        return len(grads) > 1 and all(grad.dtype in (torch.float32, torch.float64) for grad in grads)
-
-    def _updates_of(self, keys: Sequence[str], grads: Sequence[Tensor], in_place: bool) -> list[Tensor]:
-        """``_update_of`` of every key, as foreach calls."""
-        beta1, beta2 = self.betas
-        fresh = [self._fresh(key, grad) for key, grad in zip(keys, grads)]
-        if in_place:
-            for key, grad, new in zip(keys, grads, fresh):
-                if new:
-                    self.first_moments[key] = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
-                    self.second_moments[key] = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
-                    self.residuals.pop(key, None)
-                    self.steps[key] = 0
-            steps = [self.steps[key] + 1 for key in keys]
-            firsts = [self.first_moments[key] for key in keys]
-            seconds = [self.second_moments[key] for key in keys]
-            torch._foreach_mul_(firsts, beta1)
-            torch._foreach_mul_(seconds, beta2)
-            self.steps.update(zip(keys, steps))
-        else:
-            steps = [1 if new else self.steps[key] + 1 for key, new in zip(keys, fresh)]
-            zeros = [torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device) if new else None for grad, new in zip(grads, fresh)]
-            firsts = torch._foreach_mul([z if new else self.first_moments[k] for k, z, new in zip(keys, zeros, fresh)], beta1)
-            seconds = torch._foreach_mul([z if new else self.second_moments[k] for k, z, new in zip(keys, zeros, fresh)], beta2)
-        torch._foreach_add_(firsts, list(grads), alpha=1 - beta1)
-        torch._foreach_addcmul_(seconds, list(grads), list(grads), value=1 - beta2)
-        denominators = torch._foreach_sqrt(seconds)
-        torch._foreach_div_(denominators, [math.sqrt(1 - beta2**step) for step in steps])
-        torch._foreach_add_(denominators, self.eps)
-        updates = torch._foreach_div(firsts, [1 - beta1**step for step in steps])
-        torch._foreach_div_(updates, denominators)
-        return updates
-
-    def compensate_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> list[Tensor]:
-        _refuse_scale(loss_scale)
-        if not self._together(grads):
-            return super().compensate_many(keys, grads, loss_scale)
-        for key in keys:
-            self._clip_factors.pop(key, None)
-        owed = [self._owed(key, grad) for key, grad in zip(keys, grads)]
-        clipped = [self._clipped(key, grad, None, commit=False) for key, grad in zip(keys, grads)]
-        updates = self._updates_of(keys, clipped, in_place=False)
-        owing = [(update, residual) for update, residual in zip(updates, owed) if residual is not None]
-        if owing:
-            torch._foreach_add_([update for update, _ in owing], [residual for _, residual in owing])
-        return updates
-
-    def update_many(
-        self,
-        keys: Sequence[str],
-        grads: Sequence[Tensor],
-        sent_indices: Sequence[Tensor],
-        loss_scale: Tensor | None = None,
-        verified: bool = False,
-    ) -> None:
-        _refuse_scale(loss_scale)
-        if not verified or not self._together(grads):
-            return super().update_many(keys, grads, sent_indices, loss_scale, verified)
-        owed = [self._owed(key, grad) for key, grad in zip(keys, grads)]
-        clipped = [self._clipped(key, grad, None, commit=True) for key, grad in zip(keys, grads)]
-        updates = self._updates_of(keys, clipped, in_place=True)
-        owing = [(residual, update) for residual, update in zip(owed, updates) if residual is not None]
-        if owing:
-            torch._foreach_add_([residual for residual, _ in owing], [update for _, update in owing])
-        for key, residual, update in zip(keys, owed, updates):
-            if residual is None:
-                self.residuals[key] = update
-        self._check_second_moments(keys)
-        for key, sent in zip(keys, sent_indices):
-            _zero_at(self.residuals[key], sent)
-
-    def compensate_dense_many(
-        self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None
-    ) -> list[Tensor | None]:
-        return list(self.compensate_many(keys, grads, loss_scale))
-
-    def settle_dense_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> None:
-        _refuse_scale(loss_scale)
-        if not self._together(grads) or not bool(all_finite(grads)):
-            return super().settle_dense_many(keys, grads, loss_scale)  # names the first non-finite gradient
-        clipped = [self._clipped(key, grad, None, commit=True) for key, grad in zip(keys, grads)]
-        self._updates_of(keys, clipped, in_place=True)
-        for key in keys:
-            self.residuals.pop(key, None)
-        self._check_second_moments(keys)
-
-    def _check_second_moments(self, keys: Sequence[str]) -> None:
-        """After a commit of finite gradients: a second moment that overflowed drops its key's state."""
-        if not bool(all_finite([self.second_moments[key] for key in keys])):
-            for key in keys:
-                _checked_commit(key, [self.second_moments[key]], self._states)
 
     @property
     def _states(self) -> list[dict[str, Any]]:
