@@ -40,7 +40,7 @@ from ssfusion_lightning.engine.state import FORMAT as ENGINE_STATE_FORMAT
 from ssfusion_lightning.fusion import FUSION_POLICIES
 from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, validate_density
-from ssfusion_lightning.sparsifiers.adam_memory import AdamMemory
+from ssfusion_lightning.sparsifiers.adam_memory import SCALED_GRADIENTS_REFUSED, AdamMemory
 from ssfusion_lightning.sparsifiers.memory import DGCMemory
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
 from ssfusion_lightning.timeline import Timeline
@@ -458,10 +458,7 @@ class SSFusionStrategy(DDPStrategy):
                 f"gradient before its moments with memory_options={{'clip_norm': {trainer.gradient_clip_val!r}}}"
             )
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "memory='adam' takes unscaled gradients, but fp16 mixed precision's GradScaler scales them; "
-                "use precision='bf16-mixed' or '32-true'"
-            )
+            raise ValueError(SCALED_GRADIENTS_REFUSED)
         if self.engine.sparse_gradient_names:
             raise ValueError(
                 f"memory='adam' computes dense Adam updates, but {', '.join(self.engine.sparse_gradient_names)} "

@@ -220,9 +220,13 @@ class AdamMemory(LocallyClipped, Memory):
         self._clip_factors.clear()
 
 
+#: the refusal of a GradScaler's scaled gradients, also raised by the strategy at setup
+SCALED_GRADIENTS_REFUSED = (
+    "memory='adam' takes unscaled gradients, but fp16 mixed precision's GradScaler scales them; "
+    "use precision='bf16-mixed' or '32-true' with memory='adam'"
+)
+
+
 def _refuse_scale(loss_scale: Tensor | None) -> None:
     if loss_scale is not None:
-        raise ValueError(
-            "memory='adam' takes unscaled gradients, but fp16 mixed precision's GradScaler scales them; "
-            "use precision='bf16-mixed' or '32-true' with memory='adam'"
-        )
+        raise ValueError(SCALED_GRADIENTS_REFUSED)
