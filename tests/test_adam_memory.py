@@ -77,6 +77,49 @@ def test_sent_plus_residual_is_the_compensated_update_and_nothing_is_lost(shape,
     assert torch.allclose(sent_total + memory.residual("w"), expected, rtol=1e-12, atol=1e-12)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    feedback=st.floats(0.05, 1.0),
+    density=st.floats(0.05, 0.9),
+    steps=st.integers(1, 8),
+    seed=st.integers(0, 10_000),
+)
+def test_feedback_keeps_that_fraction_of_the_unsent_update(feedback, density, steps, seed):
+    """r == feedback * (compensated - sent) at every step, the moments are untouched by it, and
+    what the run drops is exactly (1 - feedback) of each round's unsent part."""
+    generator = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(3, 7, generator=generator, dtype=torch.float64) for _ in range(steps)]
+    memory, exact = build_memory("adam", feedback=feedback), build_memory("adam")
+    sparsifier = build_sparsifier("topk", density=density)
+    sent_total, dropped = torch.zeros(21, dtype=torch.float64), torch.zeros(21, dtype=torch.float64)
+    for grad in grads:
+        compensated = memory.compensate("w", grad).reshape(-1)
+        _, indices = sparsifier.select(compensated, key="w")
+        unsent = compensated.clone()
+        unsent[indices] = 0
+        sent_total += compensated - unsent
+        memory.update("w", grad, indices)
+        exact.settle_dense("w", grad)
+        assert torch.equal(memory.residual("w").reshape(-1), unsent * feedback)
+        dropped += unsent - memory.residual("w").reshape(-1)
+    assert torch.equal(memory.first_moments["w"], exact.first_moments["w"])
+    expected = torch.stack(adam_updates(grads)).sum(0).reshape(-1)
+    assert torch.allclose(sent_total + memory.residual("w").reshape(-1) + dropped, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_feedback_bounds_an_entrys_backlog():
+    """An entry never selected, with the same update every round, owes at most feedback / (1 - feedback)
+    rounds of it (error feedback: one more round each step)."""
+    grad = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    leaky, exact = build_memory("adam", feedback=0.9), build_memory("adam")
+    for _ in range(200):
+        for memory in (leaky, exact):
+            memory.compensate("w", grad)
+            memory.update("w", grad, torch.tensor([0]))
+    assert leaky.residual("w")[1] == pytest.approx(9.0, rel=1e-6)  # Adam's update of a constant gradient is 1
+    assert exact.residual("w")[1] == pytest.approx(200.0, rel=1e-6)
+
+
 def test_the_moments_never_see_the_selection():
     """Adam's moments are the optimizer's: sparse and dense rounds step them alike (no masking)."""
     sparse, dense = build_memory("adam"), build_memory("adam")
@@ -178,6 +221,12 @@ def test_bad_options_are_refused():
         build_memory("adam", clip_norm=-1)
 
 
+@pytest.mark.parametrize("feedback", [0, 0.0, -0.5, 1.5, True, "0.9", None])
+def test_a_feedback_outside_0_to_1_is_refused(feedback):
+    with pytest.raises(ValueError, match=rf"feedback is the fraction .* in \(0, 1\], got {feedback!r}"):
+        build_memory("adam", feedback=feedback)
+
+
 # --------------------------------------------------------------------------- in the strategy, 2 ranks
 ADAM = dict(memory="adam", fusion="ahead", offload="none", process_groups=1)
 
@@ -247,15 +296,18 @@ def test_dense_slots_apply_the_ranks_averaged_adam_update(pool2):
             assert torch.allclose(params[name], reference[name], rtol=0, atol=1e-6), name
 
 
-def sparse_adam_runs():
-    return adam_run(dict(ADAM, sparsifier="topk", density=0.1, comm="hybrid"), steps=12)
+def sparse_adam_runs(feedback: float = 1.0):
+    return adam_run(dict(ADAM, sparsifier="topk", density=0.1, comm="hybrid", memory_options={"feedback": feedback}), steps=12)
 
 
 def test_sparse_adam_keeps_the_ranks_identical(pool2):
     (a, name_a, _, _), (b, name_b, _, _) = pool2.run(sparse_adam_runs)
+    (c, _, _, _), (d, _, _, _) = pool2.run(sparse_adam_runs, 0.5)
     assert name_a == name_b == "AveragedUpdate"
     for name in a:
         assert torch.equal(a[name], b[name]), name
+        assert torch.equal(c[name], d[name]), name
+    assert any(not torch.equal(a[name], c[name]) for name in a)  # the option reached the memory
 
 
 def refused_setup(what: str) -> str:

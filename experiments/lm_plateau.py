@@ -1,0 +1,207 @@
+"""What holds the byte-level LM on its plateau under sparse updates (issue 15's open question).
+
+    python -m experiments.lm_plateau --density 0.1 --steps 200     # realdata extra; one process, ~1 min a row
+
+One process, AdamW whose update (moments from the dense gradient) goes through a selection with
+error feedback, as ``memory="adam"`` does at P = 1; the rows marked "gradient" select the gradient
+before AdamW instead, as the default ``memory="residual"`` does. Each row changes one thing, so that the rows
+separate the candidate causes:
+
+- which coordinates are sent: the largest (top-k) or a uniform random draw of the same count;
+- how much of the unsent part is kept: all of it (error feedback), a fraction, or none;
+- the backlog of the first steps: the residual dropped once at a given step;
+- the size of the first updates: a linear learning-rate warm-up, on the dense and the sparse run.
+
+Writes results/<name>.md and .csv (validation loss after each evaluation point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from experiments.common import RESULTS, write_csv
+from experiments.ef_optimizers import evaluate
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row: how the update is selected and what happens to the rest."""
+
+    label: str
+    density: float | None = None
+    selection: str = "topk"
+    feedback: float = 1.0
+    lr_scale: float = 1.0
+    domain: str = "update"
+    dense_steps: int = 0
+    drop_residual_at: int | None = None
+    lr_warmup: int = 0
+    send_cap: float | None = None
+
+
+class SelectedAdamW:
+    """AdamW whose bias-corrected update plus residual is selected per tensor before it is applied."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float, variant: Variant, seed: int,
+                 weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        self.params, self.lr, self.variant = params, lr, variant
+        self.weight_decay, self.betas, self.eps = weight_decay, betas, eps
+        self.moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+        self.residuals = [torch.zeros_like(p) for p in params]
+        self.generator = torch.Generator().manual_seed(seed + 1)
+        self.steps = 0
+        self.sent_sizes: list[float] = []
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _lr(self) -> float:
+        warmup = self.variant.lr_warmup
+        lr = self.lr * self.variant.lr_scale
+        return lr * min(1.0, self.steps / warmup) if warmup else lr
+
+    def _chosen(self, compensated: torch.Tensor, k: int) -> torch.Tensor:
+        if self.variant.selection == "topk":
+            return compensated.abs().topk(k, sorted=False).indices
+        return torch.randperm(compensated.numel(), generator=self.generator)[:k]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        v_, beta1, beta2, lr = self.variant, *self.betas, self._lr()
+        dense = v_.density is None or self.steps <= v_.dense_steps
+        if v_.drop_residual_at == self.steps:
+            for residual in self.residuals:
+                residual.zero_()
+        for p, (m, v), residual in zip(self.params, self.moments, self.residuals):
+            grad = p.grad if dense or v_.domain == "update" else self._selected(p.grad, residual)
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            update = lr * (m / (1 - beta1**self.steps)) / ((v / (1 - beta2**self.steps)).sqrt() + self.eps)
+            p.mul_(1 - lr * self.weight_decay)
+            p.sub_(update if dense or v_.domain == "gradient" else self._selected(update, residual))
+
+    def _selected(self, value: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The selected part of value + residual; the rest, times ``feedback``, becomes the residual."""
+        compensated = (value + residual).reshape(-1)
+        index = self._chosen(compensated, max(1, math.floor(self.variant.density * compensated.numel())))
+        kept = torch.zeros_like(compensated)
+        chosen = compensated[index]
+        cap = self.variant.send_cap
+        kept[index] = chosen if cap is None else chosen.clamp(-cap * self._lr(), cap * self._lr())
+        if self.variant.domain == "update":
+            self.sent_sizes.append(float(kept[index].abs().mean()) / self._lr())
+        residual.copy_((compensated - kept).view_as(residual)).mul_(self.variant.feedback)
+        return kept.view_as(value)
+
+
+def run(variant: Variant, steps: int, eval_every: int, lr: float, seed: int) -> tuple[list[tuple[int, float]], float | None]:
+    """The validation curve, and the mean size of a sent entry of the update in units of lr (None if none)."""
+    from ssfusion_lightning.app.builders import wire_model_kwargs
+    from ssfusion_lightning.data import build_datamodule
+    from ssfusion_lightning.models import build_model
+
+    torch.manual_seed(seed)
+    data = build_datamodule("text", batch_size=32, seq_len=64)
+    data.setup("fit")
+    model = build_model("gpt2", "tiny", **wire_model_kwargs("gpt2", "tiny", {}, data))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = SelectedAdamW(params, lr, variant, seed)
+    curve, step = [], 0
+    while step < steps:
+        for inputs, targets in data.train_dataloader():
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            if step % eval_every == 0 or step == steps:
+                curve.append((step, evaluate(model, data)))
+            if step == steps:
+                break
+    sizes = opt.sent_sizes
+    return curve, (sum(sizes) / len(sizes) if sizes else None)
+
+
+def variants(density: float) -> list[Variant]:
+    pct = f"{density * 100:g}%"
+    return [
+        Variant("dense"),
+        Variant("dense, lr warm-up 30 steps", lr_warmup=30),
+        Variant(f"top-k {pct} + error feedback", density),
+        Variant(f"random-k {pct} + error feedback", density, selection="randk"),
+        Variant(f"top-k {pct}, no error feedback", density, feedback=0.0),
+        Variant(f"top-k {pct} + error feedback, residual dropped at step 30", density, drop_residual_at=30),
+        Variant(f"top-k {pct} + error feedback, lr warm-up 30 steps", density, lr_warmup=30),
+        Variant(f"top-k {pct} + error feedback, first 10 steps dense", density, dense_steps=10),
+        Variant(f"top-k {pct} + error feedback, first 30 steps dense", density, dense_steps=30),
+        Variant(f"top-k {pct} + error feedback, lr x 1/3", density, lr_scale=1 / 3),
+        Variant(f"top-k {pct} + error feedback, lr x 1/10", density, lr_scale=0.1),
+        Variant("dense, lr x 1/3", lr_scale=1 / 3),
+        Variant(f"top-k {pct} + half the residual kept", density, feedback=0.5),
+        Variant(f"top-k {pct} + 80% of the residual kept", density, feedback=0.8),
+        Variant(f"top-k {pct} + 90% of the residual kept", density, feedback=0.9),
+        Variant(f"top-k {pct} + 95% of the residual kept", density, feedback=0.95),
+        Variant(f"top-k {pct} + 90% of the residual kept, first 10 steps dense", density, feedback=0.9, dense_steps=10),
+        Variant(f"top-k {pct} + 90% of the residual kept, first 30 steps dense", density, feedback=0.9, dense_steps=30),
+        Variant(f"top-k {pct} + error feedback, no entry sent above 10 lr", density, send_cap=10.0),
+        Variant(f"top-k {pct} + error feedback, no entry sent above 3 lr", density, send_cap=3.0),
+        Variant(f"gradient: top-k {pct} + error feedback", density, domain="gradient"),
+        Variant(f"gradient: top-k {pct}, no error feedback", density, feedback=0.0, domain="gradient"),
+        Variant(f"gradient: top-k {pct} + 90% of the residual kept", density, feedback=0.9, domain="gradient"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--density", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows", type=int, nargs="*", help="indices of the rows to run (default: all)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", default="lm_plateau", help="file stem")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    chosen = [v for i, v in enumerate(variants(args.density)) if args.rows is None or i in args.rows]
+    rows, sizes = [], {}
+    for variant in chosen:
+        started = time.perf_counter()
+        curve, size = run(variant, args.steps, args.eval_every, args.lr, args.seed)
+        sizes[variant.label] = size
+        print(f"{variant.label:60} " + " ".join(f"{loss:.3f}" for _, loss in curve) + f" |sent|/lr {size}"
+              + f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+        rows += [{"variant": variant.label, "seed": args.seed, "step": s, "val_loss": v} for s, v in curve]
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / f"{args.name}.csv", list(rows[0]), rows)
+    points = sorted({r["step"] for r in rows})
+    lines = [
+        f"Validation loss (nats per byte), byte-level GPT-2 tiny on the Lee corpus, one process, AdamW lr {args.lr:g}, "
+        f"seed {args.seed}: `python -m experiments.lm_plateau --density {args.density:g} --steps {args.steps} "
+        f"--seed {args.seed} --name {args.name}`.",
+        "",
+        "| update | " + " | ".join(f"step {s}" for s in points) + " | mean sent entry / lr |",
+        "|---|" + "---|" * len(points) + "---:|",
+    ]
+    for variant in chosen:
+        cells = {r["step"]: r["val_loss"] for r in rows if r["variant"] == variant.label}
+        size = "" if sizes[variant.label] is None else f"{sizes[variant.label]:.1f}"
+        lines.append(f"| {variant.label} | " + " | ".join(f"{cells[s]:.3f}" for s in points) + f" | {size} |")
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
