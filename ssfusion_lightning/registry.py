@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Maps names to factories; unknown names raise an error that lists the valid choices."""
+    """Maps names to factories; unknown names and unknown options raise an error that lists the
+    valid choices."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -29,10 +31,27 @@ class Registry(Generic[T]):
         return self._entries[name]
 
     def build(self, name: str, *args, **kwargs) -> T:
-        return self.get(name)(*args, **kwargs)
+        factory = self.get(name)
+        options = _options_of(factory)
+        unknown = sorted(set(kwargs) - set(options)) if options is not None else []
+        if unknown:
+            raise TypeError(
+                f"{self.kind} {name!r} has no option {', '.join(map(repr, unknown))}; "
+                f"its options: {', '.join(options) or 'none'}"
+            )
+        return factory(*args, **kwargs)
 
     def names(self) -> list[str]:
         return sorted(self._entries)
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
+
+
+def _options_of(factory: Callable[..., object]) -> list[str] | None:
+    """The keyword options ``factory`` takes, in order; None when it takes any (``**kwargs``)."""
+    parameters = inspect.signature(factory).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters if p.kind in keyword]

@@ -470,3 +470,10 @@ def test_dgc_dense_slots_settled_together_refuse_a_non_finite_gradient_by_name()
     with pytest.raises(FloatingPointError, match="'b'"):
         memory.settle_dense_many(keys, grads)
     assert "b" not in memory.momenta  # the NaN never entered its state
+
+
+def test_an_unknown_memory_option_names_the_memorys_options():
+    with pytest.raises(TypeError, match=r"memory 'residual' has no option 'feedback'; its options: none"):
+        build_memory("residual", feedback=0.9)
+    with pytest.raises(TypeError, match=r"memory 'adam' has no option 'momentum'; its options: clip_norm, feedback"):
+        build_memory("adam", momentum=0.9)

@@ -67,7 +67,7 @@ CONFIG_VALUES: dict[str, tuple[Any, str]] = {
     "density": (DEFAULT_DENSITY, ""),
     "timeout": (None, "In seconds here (null: torch's default)."),
     "start_method": ("auto", "auto (here): popen, or spawn under a Hydra multirun (docs/cli.md, Sweeps)."),
-    "memory_options": ({}, "Added key by key: strategy.memory=dgc +strategy.memory_options.momentum=0.5"),
+    "memory_options": ({}, "Added key by key: strategy.memory=adam +strategy.memory_options.feedback=0.9"),
     "dense_params": ([], "On the command line: 'strategy.dense_params=[\"*embed*\",\"*norm*\"]'"),
 }
 
@@ -121,7 +121,7 @@ def docstring_entries(cls: type = SSFusionStrategy) -> dict[str, str]:
 
 
 def first_sentence(text: str) -> str:
-    return re.split(r'(?<=[.!?])\s+(?=[A-Z"`])', text, maxsplit=1)[0]
+    return re.split(r'(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s+(?=[A-Z"`])', text, maxsplit=1)[0]
 
 
 # ---------------------------------------------------------------- rendering

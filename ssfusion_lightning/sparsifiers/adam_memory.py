@@ -18,11 +18,11 @@ The strategy swaps it in.
 
 Error feedback piles each unsent entry's updates up until it is selected, and Adam's update is about
 1 in size on every coordinate whatever the gradient's scale, so a selected entry moves by about as
-many steps of learning rate as it waited: 8.9 on average at density 1% on the byte-level LM, which
-held it on its byte-frequency plateau for 300 steps where dense AdamW leaves it by step 75. Keeping
-only a fraction of the unsent update (``feedback=0.9``: an entry's backlog stays under 10 rounds)
-brought the sent entries to 3.6 steps and the loss after 300 steps from 2.85-3.02 to 2.43-2.49, dense
-2.36-2.38 (experiments/REPORT.md, "What holds the LM on its plateau").
+many steps of learning rate as it waited: 8.7 on average at density 1% on the byte-level LM, which
+stayed on its byte-frequency plateau past step 100 where dense AdamW had left it. Keeping only a
+fraction of the unsent update (``feedback=0.9``: an entry's backlog stays under 10 rounds) brought
+the sent entries to 3.7 steps and the loss after 300 steps from 2.79-2.94 to 2.44-2.45, dense
+2.37-2.41 (experiments/REPORT.md, "What holds the LM on its plateau").
 """
 
 from __future__ import annotations
