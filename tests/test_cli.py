@@ -347,8 +347,8 @@ def test_adam_memory_trains_a_language_model_from_the_command_line(tmp_path):
     """The Hydra path: the task's fused AdamW and its schedule are handed to the memory. In a process
     of its own: a job run in this one would leave its process group and MASTER_PORT behind."""
     done = cli(
-        "trainer=cpu", "model=gpt2", "data=synthetic_tokens", "strategy.memory=adam", "trainer.max_steps=3", "logger=none",
-        "callbacks=none", f"paths.output_dir={tmp_path}", cwd=tmp_path,
+        "trainer=cpu", "model=gpt2", "data=synthetic_tokens", "strategy.memory=adam", "+strategy.memory_options.feedback=0.9",
+        "trainer.max_steps=3", "logger=none", "callbacks=none", f"paths.output_dir={tmp_path}", cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -364,6 +364,24 @@ def test_lightning_misconfigurations_are_config_errors_before_launch(tmp_path):
     with pytest.raises(ConfigError, match=r"^trainer: .*Precision 'bogus' is invalid"):
         run(cfg)
     assert json.loads((tmp_path / "results.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model=gpt2", "data=synthetic_tokens", "strategy.memory=adam", "+strategy.memory_options.feedback=2"],
+            "strategy: feedback is the fraction of the unsent update kept for the next round, a number in (0, 1], got 2",
+        ),
+        (["+strategy.memory_options.feedback=0.9"], "strategy: memory 'residual' has no option 'feedback'; its options: none"),
+    ],
+)
+def test_bad_memory_options_are_config_errors_before_launch(tmp_path, overrides, message):
+    from ssfusion_lightning.train import run
+
+    cfg = compose_config(["trainer=cpu", "logger=none", "callbacks=none", f"paths.output_dir={tmp_path}", *overrides])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        run(cfg)
 
 
 def test_the_light_checks_know_the_same_choices_as_the_strategy():
