@@ -29,6 +29,7 @@ import argparse
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -73,10 +74,6 @@ class SparseAdamWUpdate:
         self.residuals = [torch.zeros_like(p) for p in params]
         self.steps = 0
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
     @torch.no_grad()
     def step(self, dense: bool = False) -> None:
         self.steps += 1
@@ -97,8 +94,11 @@ class SparseAdamWUpdate:
             p.sub_(kept.view_as(p))
 
 
-def run(optimizer: str, density: float | None, steps: int, eval_every: int, lr: float, seed: int,
-        dense_steps: int = 0, dense_names: tuple[str, ...] = ()) -> list[tuple[int, float]]:
+def train_lm(seed: int, steps: int, eval_every: int,
+             stepper: Callable[[list[tuple[str, torch.nn.Parameter]]], Callable[[int], None]]) -> list[tuple[int, float]]:
+    """Train the byte-level GPT-2 tiny on the Lee corpus and return its validation curve.
+    ``stepper(named parameters)`` gives the function that applies step ``i`` (from 0) once the
+    gradients are computed and clipped."""
     from ssfusion_lightning.app.builders import wire_model_kwargs
     from ssfusion_lightning.data import build_datamodule
     from ssfusion_lightning.models import build_model
@@ -109,34 +109,47 @@ def run(optimizer: str, density: float | None, steps: int, eval_every: int, lr: 
     model = build_model("gpt2", "tiny", **wire_model_kwargs("gpt2", "tiny", {}, data))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    dense = frozenset(i for i, (n, _) in enumerate(named) if any(part in n for part in dense_names))
-    if optimizer == "adamw-update":
-        opt = SparseAdamWUpdate(params, lr, density)
-    elif optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    else:
-        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.01)
-    residuals: dict[int, torch.Tensor] = {}
+    apply_step = stepper(named)
     curve, step = [], 0
     while step < steps:
         for inputs, targets in data.train_dataloader():
             logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-            opt.zero_grad(set_to_none=True)
+            for p in params:
+                p.grad = None
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)  # the e2e workloads' LM setting, before selection as Lightning does
-            if optimizer == "adamw-update":
-                opt.step(dense=step < dense_steps)
-            else:
-                if density is not None and step >= dense_steps:
-                    topk_with_feedback(params, residuals, density, dense)
-                opt.step()
+            apply_step(step)
             step += 1
             if step % eval_every == 0 or step == steps:
                 curve.append((step, evaluate(model, data)))
             if step == steps:
                 break
     return curve
+
+
+def run(optimizer: str, density: float | None, steps: int, eval_every: int, lr: float, seed: int,
+        dense_steps: int = 0, dense_names: tuple[str, ...] = ()) -> list[tuple[int, float]]:
+    def stepper(named: list[tuple[str, torch.nn.Parameter]]) -> Callable[[int], None]:
+        params = [p for _, p in named]
+        dense = frozenset(i for i, (n, _) in enumerate(named) if any(part in n for part in dense_names))
+        if optimizer == "adamw-update":
+            opt = SparseAdamWUpdate(params, lr, density)
+            return lambda step: opt.step(dense=step < dense_steps)
+        if optimizer == "adamw":
+            opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        else:
+            opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.01)
+        residuals: dict[int, torch.Tensor] = {}
+
+        def apply_step(step: int) -> None:
+            if density is not None and step >= dense_steps:
+                topk_with_feedback(params, residuals, density, dense)
+            opt.step()
+
+        return apply_step
+
+    return train_lm(seed, steps, eval_every, stepper)
 
 
 @torch.no_grad()

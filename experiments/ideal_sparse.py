@@ -18,6 +18,8 @@ the selective policy's measured choices) can move them:
 - ``global`` and ``global_mc``: the same two memories with one top-k over all the sparse tensors
   together (k = density x their elements, as ``fusion="behind"`` selects over a whole buffer), so a
   layer whose gradients are larger gets more of the budget;
+- ``--feedback f`` (default 1) keeps only f of the unsent part (e, or v under momentum correction),
+  as ``memory="adam"``'s option does for Adam's update;
 - ``powersgd``: PowerSGD with error feedback and warm start at rank ``--rank`` (matrices whose
   compression would not halve them, and 1-D tensors, go whole, as in PyTorch's hook; compression
   starts at step 2 as in the benchmark).
@@ -94,8 +96,9 @@ def evaluate(model: torch.nn.Module, datamodule: Any) -> float:
 class Combiner:
     """One scheme's rule: the P workers' gradients of every parameter -> the gradients the optimizer sees."""
 
-    def __init__(self, scheme: str, density: float, dense_below: int, rank: int, momentum: float) -> None:
+    def __init__(self, scheme: str, density: float, dense_below: int, rank: int, momentum: float, feedback: float = 1.0) -> None:
         self.scheme, self.density, self.dense_below, self.rank, self.momentum = scheme, density, dense_below, rank, momentum
+        self.feedback = feedback
         self.corrected = scheme.endswith("_mc")
         self.state: dict[tuple[int, int], dict[str, Tensor]] = {}
         self.sent = 0
@@ -135,6 +138,8 @@ class Combiner:
     def _settle_sparse(self, index: int, worker: int, compensated: Tensor, positions: Tensor) -> None:
         state = self.state[(index, worker)]
         compensated[positions] = 0
+        if self.feedback != 1.0:
+            compensated.mul_(self.feedback)
         if self.corrected:  # momentum factor masking
             state["u"][positions] = 0
             state["v"] = compensated
@@ -184,7 +189,7 @@ def run(scheme: str, seed: int, args: argparse.Namespace, steps: int) -> list[di
     if scheme == "topk_mc":
         for group in optimizer.param_groups:
             group["momentum"] = 0.0
-    combine = Combiner(scheme, args.density, args.dense_below, args.rank, momentum)
+    combine = Combiner(scheme, args.density, args.dense_below, args.rank, momentum, args.feedback)
     batches = shard_batches(datamodule, args.workers, seed)
     params = [p for p in model.parameters() if p.requires_grad]
     buffers = [b for b in model.buffers()]
@@ -227,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD's matrix rank")
     parser.add_argument("--steps", type=int, default=150, help="dense steps; the target is its final accuracy")
     parser.add_argument("--budget-factor", type=float, default=2.0)
+    parser.add_argument("--feedback", type=float, default=1.0,
+                        help="fraction of the unsent part the top-k schemes keep (e, or v with momentum correction)")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--name", default="ideal_sparse")
     parser.add_argument("--merge", nargs="+", help="instead of running: merge these launches' records into --name")
@@ -258,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(rows: list[dict[str, Any]], curves: list[dict[str, Any]], args: argparse.Namespace) -> None:
     seeds = sorted({r["seed"] for r in rows})
-    lines = [f"P = {args.workers} simulated workers, density {args.density:g}, PowerSGD rank {args.rank}, "
+    kept = f", {args.feedback:g} of the unsent part kept" if args.feedback != 1.0 else ""
+    lines = [f"P = {args.workers} simulated workers, density {args.density:g}{kept}, PowerSGD rank {args.rank}, "
              f"target: dense's accuracy after {args.steps} steps; seeds {seeds}", "",
              "| scheme | steps to target (per seed) | median | reached | accuracy - dense's at equal steps, median |",
              "|---|---|---:|---:|---:|"]

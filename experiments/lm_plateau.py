@@ -29,12 +29,12 @@ import multiprocessing
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from experiments.common import RESULTS, pyplot, save_figure, write_csv
-from experiments.ef_optimizers import evaluate
+from experiments.ef_optimizers import train_lm
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,6 @@ class SelectedAdamW:
         self.generator = torch.Generator().manual_seed(seed + 1)
         self.steps = 0
         self.sent_sizes: list[float] = []
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
 
     def _lr(self) -> float:
         warmup = self.variant.lr_warmup
@@ -110,31 +106,14 @@ class SelectedAdamW:
 
 def run(variant: Variant, steps: int, eval_every: int, lr: float, seed: int) -> tuple[list[tuple[int, float]], float | None]:
     """The validation curve, and the mean size of a sent entry of the update in units of lr (None if none)."""
-    from ssfusion_lightning.app.builders import wire_model_kwargs
-    from ssfusion_lightning.data import build_datamodule
-    from ssfusion_lightning.models import build_model
+    optimizers: list[SelectedAdamW] = []
 
-    torch.manual_seed(seed)
-    data = build_datamodule("text", batch_size=32, seq_len=64)
-    data.setup("fit")
-    model = build_model("gpt2", "tiny", **wire_model_kwargs("gpt2", "tiny", {}, data))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = SelectedAdamW(params, lr, variant, seed)
-    curve, step = [], 0
-    while step < steps:
-        for inputs, targets in data.train_dataloader():
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            if step % eval_every == 0 or step == steps:
-                curve.append((step, evaluate(model, data)))
-            if step == steps:
-                break
-    sizes = opt.sent_sizes
+    def stepper(named: list[tuple[str, torch.nn.Parameter]]) -> Callable[[int], None]:
+        optimizers.append(SelectedAdamW([p for _, p in named], lr, variant, seed))
+        return lambda _: optimizers[0].step()
+
+    curve = train_lm(seed, steps, eval_every, stepper)
+    sizes = optimizers[0].sent_sizes
     return curve, (sum(sizes) / len(sizes) if sizes else None)
 
 
