@@ -371,9 +371,9 @@ def test_lightning_misconfigurations_are_config_errors_before_launch(tmp_path):
     [
         (
             ["model=gpt2", "data=synthetic_tokens", "strategy.memory=adam", "+strategy.memory_options.feedback=2"],
-            "strategy: feedback is the fraction of the unsent update kept for the next round, a number in (0, 1], got 2",
+            "strategy: feedback is the fraction of the unsent part kept for the next round, a number in (0, 1], got 2",
         ),
-        (["+strategy.memory_options.feedback=0.9"], "strategy: memory 'residual' has no option 'feedback'; its options: none"),
+        (["+strategy.memory_options.momentum=0.9"], "strategy: memory 'residual' has no option 'momentum'; its options: feedback"),
     ],
 )
 def test_bad_memory_options_are_config_errors_before_launch(tmp_path, overrides, message):

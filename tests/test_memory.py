@@ -412,8 +412,9 @@ def test_dgc_dense_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, dtype
     dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
     channels_last=st.booleans(),
     count=st.integers(2, 6),
+    feedback=st.sampled_from([1.0, 0.9, 0.5]),
 )
-def test_sparse_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, kind, dtype, channels_last, count):
+def test_sparse_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, kind, dtype, channels_last, count, feedback):
     """A buffer's batched sparse slots compensated and committed together (foreach calls) give
     exactly what ``compensate`` and ``update`` give one at a time: the tensors selected from, the
     stored state, and the masking at the sent positions, over rounds where keys are new, where one
@@ -421,7 +422,7 @@ def test_sparse_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, kind, dt
     generator = torch.Generator().manual_seed(seed)
     shapes = [(2, 3, 2, 2), (5,), (3, 2), (7,), (1,), (4, 3)][:count]
     keys = [f"p{i}" for i in range(count)]
-    options = {"momentum": 0.9} if kind == "dgc" else {}
+    options = {"momentum": 0.9, "feedback": feedback} if kind == "dgc" else {"feedback": feedback}
     together, alone = build_memory(kind, **options), build_memory(kind, **options)
     for step in range(7):
         if step in (2, 5):  # a re-planned tensor of another size starts afresh, and again when it changes back
@@ -472,8 +473,45 @@ def test_dgc_dense_slots_settled_together_refuse_a_non_finite_gradient_by_name()
     assert "b" not in memory.momenta  # the NaN never entered its state
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    name=st.sampled_from(["residual", "dgc", "adam"]),
+    feedback=st.floats(0.05, 1.0),
+    density=st.floats(0.05, 0.9),
+    seed=st.integers(0, 10_000),
+)
+def test_feedback_keeps_that_fraction_of_what_was_not_sent(name, feedback, density, seed):
+    """Every memory's state after a commit is exactly feedback x (the compensated tensor with the
+    sent positions zeroed), round after round."""
+    generator = torch.Generator().manual_seed(seed)
+    memory, sparsifier = build_memory(name, feedback=feedback), build_sparsifier("topk", density=density)
+    for _ in range(5):
+        grad = torch.randn(4, 6, generator=generator)
+        compensated = memory.compensate("w", grad).reshape(-1)
+        _, indices = sparsifier.select(compensated, key="w")
+        unsent = compensated.clone()
+        unsent[indices] = 0
+        memory.update("w", grad, indices)
+        assert torch.equal(memory.residual("w").reshape(-1), unsent * feedback)
+
+
+@pytest.mark.parametrize("name", ["residual", "dgc"])
+def test_feedback_bounds_a_never_sent_entry(name):
+    """A constant gradient never selected: error feedback owes one more round each step, feedback f
+    at most f / (1 - f) rounds (DGC: of the stepped momentum)."""
+    grad = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    options = {"momentum": 0.0} if name == "dgc" else {}
+    leaky, exact = build_memory(name, feedback=0.9, **options), build_memory(name, **options)
+    for _ in range(200):
+        for memory in (leaky, exact):
+            memory.compensate("w", grad)
+            memory.update("w", grad, torch.tensor([0]))
+    assert leaky.residual("w")[1] == pytest.approx(9.0, rel=1e-9)
+    assert exact.residual("w")[1] == 200.0
+
+
 def test_an_unknown_memory_option_names_the_memorys_options():
-    with pytest.raises(TypeError, match=r"memory 'residual' has no option 'feedback'; its options: none"):
-        build_memory("residual", feedback=0.9)
+    with pytest.raises(TypeError, match=r"memory 'residual' has no option 'momentum'; its options: feedback"):
+        build_memory("residual", momentum=0.9)
     with pytest.raises(TypeError, match=r"memory 'adam' has no option 'momentum'; its options: clip_norm, feedback"):
         build_memory("adam", momentum=0.9)

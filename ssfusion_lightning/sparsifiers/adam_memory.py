@@ -38,9 +38,11 @@ from ssfusion_lightning.sparsifiers.memory import (
     LocallyClipped,
     Memory,
     _checked_commit,
+    _keep_,
     _zero_at,
     check_finite,
     validated_clip_norm,
+    validated_feedback,
 )
 
 #: the group settings an Adam step has beyond its learning rate and decoupled weight decay: they must
@@ -188,8 +190,7 @@ class AdamMemory(LocallyClipped, Memory):
         moments = [self.second_moments[key]] if verified else [self.first_moments[key], self.second_moments[key], residual]
         _checked_commit(key, moments, self._states)
         _zero_at(residual, sent_indices)
-        if self.feedback != 1.0:
-            residual.mul_(self.feedback)
+        _keep_(residual, self.feedback)
 
     def compensate_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor:
         return self.compensate(key, grad, loss_scale)
@@ -240,16 +241,6 @@ SCALED_GRADIENTS_REFUSED = (
     "memory='adam' takes unscaled gradients, but fp16 mixed precision's GradScaler scales them; "
     "use precision='bf16-mixed' or '32-true' with memory='adam'"
 )
-
-
-def validated_feedback(feedback: Any) -> float:
-    """The ``feedback`` option: a number in (0, 1]."""
-    if isinstance(feedback, bool) or not isinstance(feedback, (int, float)) or not 0 < feedback <= 1:
-        raise ValueError(
-            f"feedback is the fraction of the unsent update kept for the next round, a number in (0, 1], got {feedback!r} "
-            "(1 keeps all of it: error feedback)"
-        )
-    return float(feedback)
 
 
 def _refuse_scale(loss_scale: Tensor | None) -> None:

@@ -150,6 +150,22 @@ def validated_clip_norm(clip_norm: Any) -> float | None:
     return float(clip_norm) if clip_norm else None
 
 
+def validated_feedback(feedback: Any) -> float:
+    """A memory's ``feedback`` option: the fraction of the unsent part kept for the next round, in (0, 1]."""
+    if isinstance(feedback, bool) or not isinstance(feedback, (int, float)) or not 0 < feedback <= 1:
+        raise ValueError(
+            f"feedback is the fraction of the unsent part kept for the next round, a number in (0, 1], got {feedback!r} "
+            "(1 keeps all of it: error feedback)"
+        )
+    return float(feedback)
+
+
+def _keep_(state: Tensor, feedback: float) -> None:
+    """After the sent positions are zeroed: keep ``feedback`` of what was not sent."""
+    if feedback != 1.0:
+        state.mul_(feedback)
+
+
 class LocallyClipped:
     """DGC's local clipping, for a memory with ``clip_norm``, ``world_size`` and ``_clip_factors``:
     each gradient is scaled to L2 norm ``clip_norm / sqrt(P)`` when larger (P ranks' gradients of
@@ -322,9 +338,15 @@ class NoMemory(Memory):
 
 @MEMORIES.register("residual")
 class ResidualMemory(Memory):
-    """g' = g + e; after selection e = g' with the sent positions zeroed, so sent + e == g' exactly."""
+    """g' = g + e; after selection e = g' with the sent positions zeroed, so sent + e == g' exactly.
 
-    def __init__(self) -> None:
+    ``feedback``: the fraction of the unsent part kept, in (0, 1]: e = feedback * (g' - sent). At 1
+    (error feedback) nothing is lost; below 1 an entry's backlog stays under 1 / (1 - feedback)
+    rounds of gradient.
+    """
+
+    def __init__(self, feedback: float = 1.0) -> None:
+        self.feedback = validated_feedback(feedback)
         self.residuals: dict[str, Tensor] = {}
 
     def compensate(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor:
@@ -362,6 +384,7 @@ class ResidualMemory(Memory):
         if not verified or loss_scale is not None:
             _checked_commit(key, [residual], [self.residuals])
         _zero_at(residual, sent_indices)
+        _keep_(residual, self.feedback)
 
     # The many-tensor forms make the same additions as foreach calls (one dispatch for a buffer's
     # small tensors instead of one each); with a loss scale they take the one-at-a-time path.
@@ -392,6 +415,7 @@ class ResidualMemory(Memory):
             if i not in owed:
                 self.residuals[key] = grad.clone(memory_format=torch.contiguous_format)
             _zero_at(self.residuals[key], sent)
+            _keep_(self.residuals[key], self.feedback)
 
     def _owing(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
         """(position, residual in the gradient's shape) of the keys whose residual fits their gradient."""
@@ -437,17 +461,20 @@ class DGCMemory(LocallyClipped, Memory):
     ``update`` recomputes both in place into the state (refusing a non-finite gradient, leaving
     the old state).
     ``residual(key)`` is v: at every step, sent + v == the compensated tensor exactly.
+    ``feedback``: the fraction of the unsent velocity kept, in (0, 1] (v = feedback * (v - sent);
+    u is only masked). Below 1 an entry's backlog stays under 1 / (1 - feedback) rounds.
 
     A dense slot (selective/partial plans, warm-up) gets the same optimizer semantics: it sends
     v + u with u <- momentum * u + g and keeps u unmasked, so with every position sent each round
     this is momentum SGD, momentum applied once and never lost; v is flushed and dropped.
     """
 
-    def __init__(self, momentum: float = 0.9, clip_norm: float | None = None) -> None:
+    def __init__(self, momentum: float = 0.9, clip_norm: float | None = None, feedback: float = 1.0) -> None:
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
         self.momentum = float(momentum)
         self.clip_norm = validated_clip_norm(clip_norm)
+        self.feedback = validated_feedback(feedback)
         self.world_size = 1
         self.momenta: dict[str, Tensor] = {}
         self.velocities: dict[str, Tensor] = {}
@@ -542,6 +569,7 @@ class DGCMemory(LocallyClipped, Memory):
             _checked_commit(key, [momentum, velocity], [self.momenta, self.velocities])
         _zero_at(velocity, sent_indices)
         _zero_at(momentum, sent_indices)
+        _keep_(velocity, self.feedback)
 
     def compensate_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor:
         return self.compensate(key, grad, loss_scale)
@@ -583,6 +611,7 @@ class DGCMemory(LocallyClipped, Memory):
             positions = _flat_positions(sent_indices, group.offsets, momenta.device)
             velocities.index_fill_(0, positions, 0)
             momenta.index_fill_(0, positions, 0)
+            _keep_(velocities, self.feedback)
             return None
         for key, grad in zip(keys, grads):
             if self._fresh(key, grad):
@@ -598,6 +627,7 @@ class DGCMemory(LocallyClipped, Memory):
                 velocity = self.velocities[key] = momentum.clone()
             _zero_at(velocity, sent)
             _zero_at(momentum, sent)
+            _keep_(velocity, self.feedback)
 
     def compensate_dense_many(
         self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None
