@@ -316,7 +316,8 @@ def plot(curves: list[dict[str, Any]], args: argparse.Namespace) -> None:
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(f"digits CNN, {args.workers} simulated workers, no engine")
+    kept = f", top-k keeps {args.feedback:g} of the unsent part" if args.feedback != 1.0 else ""
+    ax.set_title(f"digits CNN, {args.workers} simulated workers, no engine{kept}")
     save_figure(fig, RESULTS / f"{args.name}.png")
 
 

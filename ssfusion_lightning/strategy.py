@@ -139,9 +139,9 @@ class SSFusionStrategy(DDPStrategy):
             name. A Sparsifier instance carries its own density: passing ``density`` with one is an error.
         memory: error feedback, "residual" | "dgc" | "adam" | "none". "adam" selects from each rank's
             Adam update instead of its gradient, and replaces the Adam/AdamW optimizer by the step that
-            applies the averaged update (``sparsifiers/adam_memory.py``); with it,
-            ``memory_options={"feedback": 0.9}`` keeps 90% of the unsent update, which let a
-            language model leave its early plateau with dense training (README).
+            applies the averaged update (``sparsifiers/adam_memory.py``). Every memory takes
+            ``memory_options={"feedback": f}``: keep f of the unsent part (default 1); with "adam",
+            0.9 let a language model leave its early plateau with dense training (README).
         fusion: buffer/selection policy (see ``available_fusion_policies()``).
         comm: collective (see ``available_communicators()``).
         buffer_mb: "auto" (default) or the cap of a fusion buffer in MiB (a finite number > 0).
