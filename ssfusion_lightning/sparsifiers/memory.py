@@ -338,11 +338,11 @@ class NoMemory(Memory):
 
 @MEMORIES.register("residual")
 class ResidualMemory(Memory):
-    """g' = g + e; after selection e = g' with the sent positions zeroed, so sent + e == g' exactly.
+    """g' = g + e; after selection e = feedback * g' with the sent positions zeroed, so at feedback 1
+    (the default: error feedback) sent + e == g' exactly.
 
-    ``feedback``: the fraction of the unsent part kept, in (0, 1]: e = feedback * (g' - sent). At 1
-    (error feedback) nothing is lost; below 1 an entry's backlog stays under 1 / (1 - feedback)
-    rounds of gradient.
+    ``feedback``: the fraction of the unsent part kept, in (0, 1]. Below 1 an entry's backlog stays
+    under 1 / (1 - feedback) rounds of gradient.
     """
 
     def __init__(self, feedback: float = 1.0) -> None:
@@ -460,9 +460,10 @@ class DGCMemory(LocallyClipped, Memory):
     (``take_momentum_from``). ``compensate`` computes the new u and v as temporaries;
     ``update`` recomputes both in place into the state (refusing a non-finite gradient, leaving
     the old state).
-    ``residual(key)`` is v: at every step, sent + v == the compensated tensor exactly.
-    ``feedback``: the fraction of the unsent velocity kept, in (0, 1] (v = feedback * (v - sent);
-    u is only masked). Below 1 an entry's backlog stays under 1 / (1 - feedback) rounds.
+    ``residual(key)`` is v: at every step, v == feedback * (the compensated tensor - sent), so at
+    feedback 1 (the default) sent + v == the compensated tensor exactly.
+    ``feedback``: the fraction of the unsent velocity kept, in (0, 1]; u is only masked. Below 1 an
+    entry's backlog stays under 1 / (1 - feedback) rounds.
 
     A dense slot (selective/partial plans, warm-up) gets the same optimizer semantics: it sends
     v + u with u <- momentum * u + g and keeps u unmasked, so with every position sent each round
