@@ -77,29 +77,29 @@ class SelectedAdamW:
     @torch.no_grad()
     def step(self) -> None:
         self.steps += 1
-        v_, beta1, beta2, lr = self.variant, *self.betas, self._lr()
-        dense = v_.density is None or self.steps <= v_.dense_steps
-        if v_.drop_residual_at == self.steps:
+        variant, beta1, beta2, lr = self.variant, *self.betas, self._lr()
+        dense = variant.density is None or self.steps <= variant.dense_steps
+        if variant.drop_residual_at == self.steps:
             for residual in self.residuals:
                 residual.zero_()
         for p, (m, v), residual in zip(self.params, self.moments, self.residuals):
-            grad = p.grad if dense or v_.domain == "update" else self._selected(p.grad, residual)
+            grad = p.grad if dense or variant.domain == "update" else self._selected(p.grad, residual, lr)
             m.mul_(beta1).add_(grad, alpha=1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             update = lr * (m / (1 - beta1**self.steps)) / ((v / (1 - beta2**self.steps)).sqrt() + self.eps)
             p.mul_(1 - lr * self.weight_decay)
-            p.sub_(update if dense or v_.domain == "gradient" else self._selected(update, residual))
+            p.sub_(update if dense or variant.domain == "gradient" else self._selected(update, residual, lr))
 
-    def _selected(self, value: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def _selected(self, value: torch.Tensor, residual: torch.Tensor, lr: float) -> torch.Tensor:
         """The selected part of value + residual; the rest, times ``feedback``, becomes the residual."""
         compensated = (value + residual).reshape(-1)
         index = self._chosen(compensated, max(1, math.floor(self.variant.density * compensated.numel())))
-        kept = torch.zeros_like(compensated)
-        chosen = compensated[index]
         cap = self.variant.send_cap
-        kept[index] = chosen if cap is None else chosen.clamp(-cap * self._lr(), cap * self._lr())
+        sent = compensated[index] if cap is None else compensated[index].clamp(-cap * lr, cap * lr)
+        kept = torch.zeros_like(compensated)
+        kept[index] = sent
         if self.variant.domain == "update":
-            self.sent_sizes.append(float(kept[index].abs().mean()) / self._lr())
+            self.sent_sizes.append(float(sent.abs().mean()) / lr)
         residual.copy_((compensated - kept).view_as(residual)).mul_(self.variant.feedback)
         return kept.view_as(value)
 
