@@ -109,3 +109,16 @@ def test_pooled_gaps_compare_each_run_with_its_own_launchs_ddp(tmp_path):
     assert "| zen@0.1% | 2 | 2 | -0.50 (-0.50) |" in tta_pool.table(gaps, band=1.0)
     assert tta_pool.main([*map(str, paths), "--out", str(tmp_path), "--name", "pool"]) == 0
     assert (tmp_path / "pool.md").exists() and (tmp_path / "pool.png").exists()
+
+
+def test_the_target_may_be_the_mean_of_ddps_last_evaluations():
+    # DDP ends on a lucky 0.9 after 0.8 and 0.8: its final sets 0.9, the mean of its last 3 0.833.
+    runs = [run("ddp", 0, [0.5, 0.8, 0.8, 0.9], 1.0), run("ssfusion@1%", 0, [0.6, 0.85, 0.85, 0.85, 0.9], 0.5)]
+    final = {r["label"]: r for r in analyse(runs)[0]}
+    assert final["ssfusion@1%"]["steps_to_target"] == 50
+    table = bench_tta.time_to_accuracy(bench_tta.curve_rows(runs), runs, target_last=3)
+    by_label = {r["label"]: r for r in table}
+    assert by_label["ddp"]["target"] == pytest.approx((0.8 + 0.8 + 0.9) / 3)
+    assert (by_label["ddp"]["steps_to_target"], by_label["ssfusion@1%"]["steps_to_target"]) == (40, 20)
+    # the comparison at DDP's steps stays against DDP's final evaluation
+    assert by_label["ssfusion@1%"]["final_minus_ddp"] == pytest.approx(0.85 - 0.9)
