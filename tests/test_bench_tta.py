@@ -122,3 +122,24 @@ def test_the_target_may_be_the_mean_of_ddps_last_evaluations():
     assert (by_label["ddp"]["steps_to_target"], by_label["ssfusion@1%"]["steps_to_target"]) == (40, 20)
     # the comparison at DDP's steps stays against DDP's final evaluation
     assert by_label["ssfusion@1%"]["final_minus_ddp"] == pytest.approx(0.85 - 0.9)
+
+
+def test_an_end_still_inside_the_density_warm_up_does_not_pass_the_01_percent_check():
+    def sparse(seed: int, reached_at: int | None) -> dict:
+        r = {**run("ssfusion@0.1%", seed, [0.85, 0.9, 0.9], 0.5), "density": 0.001}
+        steps = len(r["step_seconds"])
+        r["engine"] = [{"requested_density": 0.001 if reached_at is not None and s >= reached_at else 0.004}
+                       for s in range(steps)]
+        return r
+
+    def check(*runs) -> dict:
+        _, summary = analyse([run("ddp", seed, [0.5, 0.8, 0.9], 1.0) for seed in (0, 1)] + list(runs))
+        return next(c for c in bench_tta.targets(summary) if c["check"].startswith("within 1 point"))
+
+    table, _ = analyse([run("ddp", 0, [0.5, 0.8, 0.9], 1.0), sparse(0, 12)])
+    assert next(r for r in table if r["label"] == "ssfusion@0.1%")["at_density_from"] == 12
+    assert check(sparse(0, 12), sparse(1, 20))["met"]  # DDP ran 30 steps: both seeds were at 0.1% before its end
+    late = check(sparse(0, 12), sparse(1, 30))
+    assert not late["met"] and "only from step 30, past DDP's 30 steps" in late["value"]
+    never = check(sparse(0, 12), sparse(1, None))
+    assert not never["met"] and "from step 30" in never["value"]  # never got there in its 30 steps
