@@ -8,9 +8,10 @@ and 4) and every preset at density 1% and 0.1% (0.1% with DGC's density warm-up)
 Every run trains the workload's model from the seed and evaluates every rank's model on the whole
 validation split every ``--eval-every`` steps (that time is left out of the clock). Per (P, link,
 workload, seed) the target is dense DDP's final validation accuracy (or loss, for the language
-model) after the workload's steps. Every other scheme may run ``--budget-factor`` (default 2)
-times as many steps: a time to accuracy must not stop a scheme with faster steps at DDP's step
-count. Per scheme the table gives the wall-clock time and the steps to reach the target (the first
+model) after the workload's steps, or with ``--target-last N`` the mean of its last N evaluations
+(one evaluation of a few hundred images moves by an image or two). Every other scheme may run
+``--budget-factor`` (default 2) times as many steps: a time to accuracy must not stop a scheme with
+faster steps at DDP's step count. Per scheme the table gives the wall-clock time and the steps to reach the target (the first
 evaluation point at or past it, clock = the sum of the step times before it), the speed-up over
 DDP and over the better PowerSGD, and the accuracy after DDP's steps. With ``--seeds`` the runs
 repeat per seed and a table of medians over the seeds comes first; the targets are checked on the
