@@ -396,7 +396,7 @@ def plot(curve: list[dict[str, Any]], out: Path, stem: str, target_last: int = 1
             ddp = [r for r in panel if r["label"] == "ddp"]
             if ddp:
                 ax.axhline(scale * ddp_target(ddp, metric, target_last), color="black", linestyle=":", linewidth=1,
-                           label=f"target ({_target_name(target_last).replace(' of', '')})")
+                           label="target (DDP's final)" if target_last == 1 else f"target (mean of DDP's last {target_last})")
             ax.set_xlabel("wall-clock seconds (evaluation excluded)")
             ax.set_ylabel("validation accuracy, %" if metric == "val_acc" else "validation loss")
             ax.set_title(f"{workload}, P = {world}, link {rate_label(rate)}, seed {seed}")

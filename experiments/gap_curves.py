@@ -16,6 +16,7 @@ Writes <name>.md (per label: median and range at every evaluation) and <name>.pn
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -43,13 +44,8 @@ def gaps_to_ddp(curve: list[dict[str, str]], label: str) -> Gaps:
 
 def summary(gaps: Gaps) -> list[tuple[int, float, float, float, int]]:
     """(step, median, min, max, seeds) at every step."""
-    rows = []
-    for step in sorted(gaps):
-        values = sorted(gaps[step].values())
-        middle = len(values) // 2
-        median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
-        rows.append((step, median, values[0], values[-1], len(values)))
-    return rows
+    return [(step, statistics.median(values), min(values), max(values), len(values))
+            for step, values in ((step, list(gaps[step].values())) for step in sorted(gaps))]
 
 
 def markdown(series: dict[str, Gaps], quarter_from: int) -> str:
