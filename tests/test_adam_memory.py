@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 import ssfusion_lightning as ssf
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
 from ssfusion_lightning.sparsifiers.adam_memory import AveragedUpdate
+from ssfusion_lightning.sparsifiers.memory import put_back, set_aside
 from tests.workloads import Regressor, make_trainer, regression_data
 
 BETAS, EPS = (0.9, 0.999), 1e-8
@@ -75,6 +76,35 @@ def test_sent_plus_residual_is_the_compensated_update_and_nothing_is_lost(shape,
         sent_total += sent.view(shape)
     expected = torch.stack(adam_updates(grads)).sum(0)
     assert torch.allclose(sent_total + memory.residual("w"), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_window_with_the_residual_set_aside_sends_adams_update_and_owes_what_it_owed():
+    """With the owed update set aside, dense slots send Adam's own update (the moments move on), and
+    put back the residual is owed as before: over the run, sent + residual is the sum of the updates."""
+    generator = torch.Generator().manual_seed(3)
+    grads = [torch.randn(8, generator=generator, dtype=torch.float64) for _ in range(7)]
+    updates = adam_updates(grads)
+    memory = build_memory("adam")
+    sent_total = torch.zeros(8, dtype=torch.float64)
+    for step, grad in enumerate(grads):
+        if step == 2:
+            owed = memory.residual("w").clone()
+            held = set_aside(memory)
+        if step == 5:
+            put_back(memory, held)
+            assert torch.equal(memory.residual("w"), owed)
+        if 2 <= step < 5:
+            sent = memory.compensate_dense("w", grad)
+            memory.settle_dense("w", grad)
+            assert torch.allclose(sent, updates[step], rtol=1e-12, atol=0) and memory.residual("w") is None
+        else:
+            compensated = memory.compensate("w", grad)
+            positions = torch.tensor([step % 8])
+            memory.update("w", grad, positions)
+            sent = torch.zeros(8, dtype=torch.float64)
+            sent[positions] = compensated[positions]
+        sent_total += sent
+    assert torch.allclose(sent_total + memory.residual("w"), torch.stack(updates).sum(0), rtol=1e-12, atol=1e-12)
 
 
 @settings(max_examples=25, deadline=None)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import ssfusion_lightning as ssf
 from ssfusion_lightning.sparsifiers import MEMORIES, build_memory, build_sparsifier
+from ssfusion_lightning.sparsifiers.memory import put_back, set_aside
 
 ALL = ssf.available_sparsifiers()
 
@@ -515,3 +516,94 @@ def test_an_unknown_memory_option_names_the_memorys_options():
         build_memory("residual", momentum=0.9)
     with pytest.raises(TypeError, match=r"memory 'adam' has no option 'momentum'; its options: clip_norm, feedback"):
         build_memory("adam", momentum=0.9)
+
+
+# --------------------------------------------------------------------------- owed state set aside
+def sent_of(memory, key: str, grad: torch.Tensor, sent: torch.Tensor | None) -> torch.Tensor:
+    """One round of ``key`` (``sent``: the sparse positions; None: a dense slot); returns what left the rank."""
+    if sent is None:
+        compensated = memory.compensate_dense(key, grad)
+        memory.settle_dense(key, grad)
+        return grad.clone() if compensated is None else compensated
+    compensated = memory.compensate(key, grad)
+    memory.update(key, grad, sent)
+    return scatter(compensated.reshape(-1)[sent], sent, compensated)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    kind=st.sampled_from(["residual", "dgc"]),
+    before=st.integers(1, 4),
+    held=st.integers(1, 4),
+    after=st.integers(0, 4),
+    seed=st.integers(0, 10_000),
+)
+def test_owed_state_set_aside_is_neither_sent_nor_lost(kind, before, held, after, seed):
+    """Through a window with the owed state set aside, dense slots send their fresh gradient (dgc:
+    the stepped momentum u, no velocity); put back, it is owed exactly as before the window, and
+    over the whole run what was sent plus what is owed is every round's gradient (dgc: every
+    round's u), bit for bit on integer gradients."""
+    m = 0.5
+    memory = build_memory(kind, **({"momentum": m} if kind == "dgc" else {}))
+    grads = integer_grads((12,), before + held + after, seed)
+    # what is owed, sent or not, is every round's u (residual memory: u is the gradient)
+    generator = torch.Generator().manual_seed(seed)
+    u = torch.zeros(12, dtype=torch.float64)
+    sent_total, owed_total = torch.zeros(12, dtype=torch.float64), torch.zeros(12, dtype=torch.float64)
+    for step, grad in enumerate(grads):
+        if step == before:
+            owed_before = memory.residual("w").clone()
+            aside = set_aside(memory)
+            assert memory.residual("w") is None
+        if step == before + held:
+            put_back(memory, aside)
+            assert torch.equal(memory.residual("w"), owed_before)
+        u = m * u + grad if kind == "dgc" else grad
+        owed_total += u
+        dense = before <= step < before + held
+        sent = None if dense else torch.randperm(12, generator=generator)[:3]
+        out = sent_of(memory, "w", grad, sent)
+        if dense:
+            assert torch.equal(out, u)
+        elif kind == "dgc":
+            u[sent] = 0  # momentum factor masking
+        sent_total += out
+    if after == 0:
+        put_back(memory, aside)
+    assert torch.equal(sent_total + memory.residual("w"), owed_total)
+
+
+@pytest.mark.parametrize("kind", ["residual", "dgc"])
+def test_many_tensor_forms_through_a_window_set_aside_give_the_bits_of_one_at_a_time(kind):
+    """A buffer's slots compensated and committed together (foreach calls, dgc's flat groups) before,
+    during and after a window with the owed state set aside: the same bits as one at a time."""
+    generator = torch.Generator().manual_seed(7)
+    shapes = [(3, 2), (5,), (2, 2, 2), (7,)]
+    keys = [f"p{i}" for i in range(len(shapes))]
+    together, alone = build_memory(kind), build_memory(kind)
+    for window in ["sparse", "sparse", "set aside", "dense", "put back", "sparse"]:
+        if window == "set aside":
+            held = [set_aside(together), set_aside(alone)]
+            window = "dense"
+        if window == "put back":
+            put_back(together, held[0])
+            put_back(alone, held[1])
+            window = "sparse"
+        grads = [torch.randn(shape, generator=generator) for shape in shapes]
+        if window == "dense":
+            many = together.compensate_dense_many(keys, grads)
+            one = [alone.compensate_dense(key, grad) for key, grad in zip(keys, grads)]
+            assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(many, one))
+            together.settle_dense_many(keys, grads)
+            for key, grad in zip(keys, grads):
+                alone.settle_dense(key, grad)
+            continue
+        sent = [torch.randperm(grad.numel(), generator=generator)[:2] for grad in grads]
+        many = together.compensate_many(keys, grads)
+        one = [alone.compensate(key, grad) for key, grad in zip(keys, grads)]
+        assert all(torch.equal(a, b) for a, b in zip(many, one))
+        together.update_many(keys, grads, sent, verified=True)
+        for key, grad, positions in zip(keys, grads, sent):
+            alone.update(key, grad, positions, verified=True)
+    for key in keys:
+        assert torch.equal(together.residual(key), alone.residual(key))

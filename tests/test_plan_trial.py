@@ -403,3 +403,78 @@ def test_every_rank_measures_one_buffer_and_keeps_the_faster_plan(pool2, fused_m
         assert result["buffers"] == buffers and result["trial"] == first["trial"]
         for name, value in result["params"].items():
             assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
+
+
+def owed_per_step(steps: int, medians: dict[str, float]) -> dict[str, dict]:
+    """``train_with_trial``'s run (residual error feedback), recording at every step's start the
+    residuals the memory holds and those the engine's checkpoint state holds."""
+    L.seed_everything(0, verbose=False)
+    strategy = ssf.SSFusionStrategy(
+        sparsifier="topk", density=0.01, fusion="ahead", comm="auto", offload="none",
+        comm_options={"dense_trial_steps": 2, "schemes": ["allreduce", "allgather"]},
+    )
+    held: dict[int, dict] = {}
+    saved: dict[int, dict] = {}
+
+    class Owed(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            engine = strategy.engine
+            held[engine.step] = {name: value.clone() for name, value in engine.memory.residuals.items()}
+            saved[engine.step] = engine.state_dict()["memory"]["residuals"]
+
+    with slow_allreduce_and_floor(0.0), scripted_medians(medians):
+        make_trainer(strategy, steps, callbacks=[Owed()]).fit(Regressor(width=256), DataLoader(regression_data(), batch_size=16))
+    return {"held": held, "saved": saved}
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_the_dense_window_sends_no_owed_error_feedback_and_a_sparse_outcome_owes_it_still(pool2):
+    """Dense slower (sparse kept): through the dense window (steps 7-9) the memory owes nothing, so
+    the window's dense slots send fresh gradients, while a checkpoint still saves what is owed; from
+    step 10 on the sparse plan owes exactly what it owed when the window began."""
+    for result in pool2.run(owed_per_step, 11, {SPARSE: 0.07, DENSE: 0.09}):
+        held, saved = result["held"], result["saved"]
+        assert held[6] and all(held[step] == {} for step in (7, 8, 9))
+        owed = saved[7]
+        assert owed and not same_tensors(owed, held[6])  # step 6's round added to it
+        assert all(same_tensors(saved[step], owed) for step in (8, 9, 10)) and same_tensors(held[10], owed)
+
+
+def test_a_dense_outcome_flushes_what_is_owed_once(pool2):
+    """Dense kept (no slower than the sparse windows around it): the window (7-9) owes nothing, the
+    sparse plan again (10-12) owes from where it left off, and the dense plan kept from step 13 sends
+    what is owed at its first step."""
+    for result in pool2.run(owed_per_step, 15, {SPARSE: 0.07, DENSE: 0.065, CONFIRM: 0.07}):
+        held, saved = result["held"], result["saved"]
+        assert all(held[step] == {} for step in (7, 8, 9)) and same_tensors(held[10], saved[7])
+        assert held[13] and held[14] == {} and saved[14] == {}
+
+
+def resume_in_the_dense_window(path: str) -> dict:
+    """Checkpoint in the dense window (after step 7), resume: the window is measured again (steps 8
+    to 10, sparse kept), with what is owed set aside from the restore on."""
+    medians = {SPARSE: 0.07, DENSE: 0.09}
+    options = dict(
+        sparsifier="topk", density=0.01, fusion="ahead", comm="auto", offload="none",
+        comm_options={"dense_trial_steps": 2, "schemes": ["allreduce", "allgather"]},
+    )
+    with slow_allreduce_and_floor(0.0), scripted_medians(medians):
+        first, second, resumed = checkpoint_and_resume(
+            lambda: ssf.SSFusionStrategy(**options), path, 8, 12,
+            lambda engine: {"held": dict(engine.memory.residuals), "saved": engine.state_dict()["memory"]["residuals"]},
+            width=256,
+        )
+    return {
+        "checkpoint": first._final_engine_state["memory"]["residuals"], "phase": first._final_engine_state["trial"]["phase"],
+        "resumed": resumed, "final": second._final_engine_state,
+    }
+
+
+def test_a_checkpoint_in_the_dense_window_saves_what_is_owed_and_the_resumed_window_sets_it_aside(pool2, tmp_path):
+    for result in pool2.run(resume_in_the_dense_window, str(tmp_path / "window.ckpt")):
+        assert result["phase"] == DENSE and result["checkpoint"]
+        assert result["resumed"]["held"] == {} and same_tensors(result["resumed"]["saved"], result["checkpoint"])
+        assert result["final"]["trial"]["phase"] == DONE and result["final"]["memory"]["residuals"]

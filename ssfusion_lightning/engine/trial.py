@@ -16,9 +16,8 @@ one buffer faster in 5 of 5 runs ("The plan trial times one buffer"). The trial 
 user pays, the step:
 
 1. ``sparse``: ``steps`` step times on the plan the costs made (at the target density), after
-   one step left out: the first step on a new plan also pays for the switch (new buffers, the
-   error feedback a dense step flushes), which is not what the plan costs a step; the ranks agree
-   on the mean of their medians (``agreement.mean_over_ranks``): ranks in lockstep share one step
+   one step left out: the first step on a new plan also pays for the switch (new buffers), which
+   is not what the plan costs a step; the ranks agree on the mean of their medians (``agreement.mean_over_ranks``): ranks in lockstep share one step
    time, and one window's medians on 4 ranks sharing 2 cores still differed by up to 16 ms, so a
    max over ranks took the noisiest;
 2. ``fused``: where the auto cut made several buffers, as many step times with the cut's tensors
@@ -26,7 +25,9 @@ user pays, the step:
 3. if the modelled dense all-reduce of the whole model already takes as long as the better sparse
    plan's step, dense cannot be faster: the trial ends there, with no dense step taken (slow
    links: no cost). Else ``dense``: as many step times with every buffer sent dense (DDP's
-   buckets), agreed likewise;
+   buckets), agreed likewise. Through this window the engine sets aside what the error feedback
+   owes, so the dense slots send their fresh gradients: sent at once, every tensor's owed mass made
+   the window a dip in the accuracy curve (the engine's ``_hold_owed``);
 4. ``confirm``: where dense measured no slower, the better sparse plan again, as many steps,
    agreed likewise. One window of a few steps on ranks that share cores cannot tell 5-15% apart
    (a digits run at P = 4 on 2 cores: single steps of 72-287 ms in one sparse window): the

@@ -210,6 +210,9 @@ class AdamMemory(LocallyClipped, Memory):
     def residual(self, key: str) -> Tensor | None:
         return self.residuals.get(key)
 
+    def owed_states(self) -> list[dict[str, Tensor]]:
+        return [self.residuals]
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "first_moments": {k: v.detach().cpu().clone() for k, v in self.first_moments.items()},

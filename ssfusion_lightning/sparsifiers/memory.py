@@ -117,6 +117,12 @@ class Memory(ABC):
         """The mass this rank still owes for ``key`` (None when nothing is stored)."""
         return None
 
+    def owed_states(self) -> list[dict[str, Tensor]]:
+        """The state that is gradient mass still owed to the sum (what ``compensate`` adds and a
+        dense slot flushes), one dict per kind; what the memory keeps for itself (momentum, Adam's
+        moments) is not owed. ``set_aside`` and ``put_back`` move it."""
+        return []
+
     def set_world_size(self, world_size: int) -> None:
         """The number of ranks whose gradients are summed (the engine's, set once)."""
         return None
@@ -132,6 +138,30 @@ class Memory(ABC):
 
 
 MEMORIES: Registry[Memory] = Registry("memory")
+
+
+def set_aside(memory: Memory) -> list[dict[str, Tensor]]:
+    """Take what ``memory`` owes out of it (``owed_states``), for ``put_back``. Meanwhile its dense
+    slots send their fresh gradients (the memory's own state, momentum or moments, moves on as on
+    any dense round) and flush nothing: what a sparse plan owes stays owed through a few dense
+    steps taken only to time them (the plan trial's dense window)."""
+    held = []
+    for state in memory.owed_states():
+        held.append(dict(state))
+        state.clear()
+    return held
+
+
+def put_back(memory: Memory, held: list[dict[str, Tensor]]) -> None:
+    """Return what ``set_aside`` took, added to whatever the memory came to owe for the same key
+    since: the sum is what is owed."""
+    for state, kept in zip(memory.owed_states(), held):
+        for key, tensor in kept.items():
+            owed_since = state.get(key)
+            if owed_since is None:
+                state[key] = tensor
+            else:
+                owed_since.add_(tensor)
 
 
 def check_finite(key: str, tensor: Tensor, what: str = "compensated gradient") -> None:
@@ -435,6 +465,9 @@ class ResidualMemory(Memory):
     def residual(self, key: str) -> Tensor | None:
         return self.residuals.get(key)
 
+    def owed_states(self) -> list[dict[str, Tensor]]:
+        return [self.residuals]
+
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()}}
 
@@ -713,6 +746,9 @@ class DGCMemory(LocallyClipped, Memory):
 
     def residual(self, key: str) -> Tensor | None:
         return self.velocities.get(key)
+
+    def owed_states(self) -> list[dict[str, Tensor]]:
+        return [self.velocities]
 
     def state_dict(self) -> dict[str, Any]:
         return {
