@@ -772,9 +772,10 @@ class FusionEngine:
 
         The window's dense slots would otherwise send every tensor's owed error feedback at once:
         at P = 2, 300 Mbit/s and density 0.1%, the digits curve fell 6-12 points in the window in
-        3 of 3 seeds, and not with the trial off (experiments/REPORT.md, "The trial's dense window
-        is the dip"). Held, a window that ends sparse flushes nothing; one that keeps dense flushes
-        at its first dense step, as any re-plan to dense does."""
+        3 of 3 seeds, and not with the trial off; set aside, the median gap in the window was -0.7 and
+        -3.2 points (experiments/REPORT.md, "The trial's dense window sets aside what the error
+        feedback owes"). A window that ends sparse flushes nothing; one that keeps dense flushes at
+        its first kept dense step, as any re-plan to dense does."""
         if hold and self._held_owed is None:
             self._held_owed = set_aside(self.memory)
         elif not hold and self._held_owed is not None:
