@@ -42,6 +42,7 @@ from ssfusion_lightning.presets import SYSTEM_PRESETS
 from ssfusion_lightning.sparsifiers import MEMORIES, SPARSIFIERS, Sparsifier, validate_density
 from ssfusion_lightning.sparsifiers.adam_memory import SCALED_GRADIENTS_REFUSED, AdamMemory
 from ssfusion_lightning.sparsifiers.memory import DGCMemory
+from ssfusion_lightning.sparsifiers.memory_choice import AUTO, check_auto_options, choose_memory
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
 from ssfusion_lightning.timeline import Timeline
 
@@ -137,11 +138,14 @@ class SSFusionStrategy(DDPStrategy):
         sparsifier: a name from ``available_sparsifiers()`` or a Sparsifier instance.
         density: fraction of elements sent, 0 < density <= 1 (default 0.01) for a sparsifier given by
             name. A Sparsifier instance carries its own density: passing ``density`` with one is an error.
-        memory: error feedback, "residual" | "dgc" | "adam" | "none". "adam" selects from each rank's
-            Adam update instead of its gradient, and replaces the Adam/AdamW optimizer by the step that
-            applies the averaged update (``sparsifiers/adam_memory.py``). Every memory takes
+        memory: error feedback, "residual" | "dgc" | "adam" | "none" | "auto". "adam" selects from each
+            rank's Adam update instead of its gradient, and replaces the Adam/AdamW optimizer by the step
+            that applies the averaged update (``sparsifiers/adam_memory.py``). Every memory takes
             ``memory_options={"feedback": f}``: keep f of the unsent part (default 1); with "adam",
-            0.9 let a language model leave its early plateau with dense training (README).
+            0.9 let a language model leave its early plateau with dense training (README). "auto"
+            picks by the optimizer once it exists: "dgc" for SGD with momentum and "adam" for
+            Adam/AdamW, each keeping 0.9 of the unsent part, else "residual"
+            (``sparsifiers/memory_choice.py``; it takes only ``feedback``).
         fusion: buffer/selection policy (see ``available_fusion_policies()``).
         comm: collective (see ``available_communicators()``).
         buffer_mb: "auto" (default) or the cap of a fusion buffer in MiB (a finite number > 0).
@@ -255,7 +259,7 @@ class SSFusionStrategy(DDPStrategy):
         else:
             self.sparsifier_spec = _choice("sparsifier", sparsifier, SPARSIFIERS.names())
             self.density = validate_density(DEFAULT_DENSITY if density is None else density)
-        self.memory_name = _choice("memory", memory, MEMORIES.names())
+        self.memory_name = _choice("memory", memory, [*MEMORIES.names(), AUTO])
         self.fusion_name = _choice("fusion policy", fusion, FUSION_POLICIES.names())
         self.comm_name = _choice("comm", comm, COMMUNICATORS.names())
         if ranks_per_node is not None and (
@@ -297,7 +301,9 @@ class SSFusionStrategy(DDPStrategy):
         # Build each component once now, so a misspelled option fails here and not at setup.
         COMMUNICATORS.build(self.comm_name, **self.comm_options)
         FUSION_POLICIES.build(self.fusion_name, **self.fusion_options)
-        MEMORIES.build(self.memory_name, **self.memory_options)
+        if self.memory_name == AUTO:
+            check_auto_options(self.memory_options)
+        MEMORIES.build(self._memory_until_optimizers, **self.memory_options)
         # the strategy's, not the engine's: it can be enabled before setup and read after teardown
         self.timeline = Timeline(enabled=bool(timeline))
         self.engine: FusionEngine | None = None
@@ -339,10 +345,14 @@ class SSFusionStrategy(DDPStrategy):
         # broadcast of a small CNN's statistics
         self._module_buffers = [b for b in self.model.buffers() if b.numel() > 0]
         self.engine = self._build_engine()
+        if self.memory_name != AUTO:  # "auto" has its memory once the optimizers exist: restored then
+            self._restore_pending_engine_state()
+        self.engine.attach()
+
+    def _restore_pending_engine_state(self) -> None:
         if self._restored_state is not None:
             self._restore_engine(self._restored_state)
             self._restored_state = None
-        self.engine.attach()
 
     def config_fingerprint(self) -> dict[str, Any]:
         """Everything that must be identical on all ranks for them to issue the same collectives."""
@@ -401,7 +411,7 @@ class SSFusionStrategy(DDPStrategy):
         return FusionEngine(
             named,
             sparsifier,
-            MEMORIES.build(self.memory_name, **self.memory_options),
+            MEMORIES.build(self._memory_until_optimizers, **self.memory_options),
             FUSION_POLICIES.build(self.fusion_name, **self.fusion_options),
             communicator,
             channels,
@@ -435,9 +445,20 @@ class SSFusionStrategy(DDPStrategy):
             for _ in range(self.process_groups)
         ]
 
+    @property
+    def _memory_until_optimizers(self) -> str:
+        """The memory the engine is built with: ``memory="auto"`` picks its own once the optimizers
+        exist (``setup_optimizers``), so until then the one it falls back to."""
+        return "residual" if self.memory_name == AUTO else self.memory_name
+
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
+        if self.engine is not None and self.memory_name == AUTO:
+            choice = choose_memory(self.optimizers, self.memory_options, self._adam_refused(trainer))
+            self.engine.set_memory(MEMORIES.build(choice.name, **choice.options))
+            log.info("ssfusion: memory='auto' picked %r with %s (%s)", choice.name, choice.options or "its defaults", choice.reason)
+            self._restore_pending_engine_state()
         memory = self.engine.memory if self.engine is not None else None
         if isinstance(memory, DGCMemory):
             taken = memory.take_momentum_from(self.optimizers)
@@ -448,24 +469,33 @@ class SSFusionStrategy(DDPStrategy):
         elif isinstance(memory, AdamMemory):
             self._hand_adam_to(memory, trainer)
 
-    def _hand_adam_to(self, memory: AdamMemory, trainer: Any) -> None:
-        """memory='adam' computes each rank's Adam step: the user's Adam or AdamW is replaced by the
-        step that applies the ranks' averaged update, over the same parameter groups, and its LR
-        schedulers move to the replacement. What would act on the averaged update instead of the
-        gradient is refused: the Trainer's clipping, a GradScaler, sparse embedding gradients."""
+    def _adam_refused(self, trainer: Any) -> str | None:
+        """Why this run cannot take memory='adam' whatever its optimizer (None where it can): what
+        would act on the averaged update instead of the gradient, the Trainer's clipping, a
+        GradScaler, sparse embedding gradients."""
         if trainer.gradient_clip_val:
-            raise ValueError(
+            return (
                 f"memory='adam' sends Adam updates, so the Trainer's gradient_clip_val={trainer.gradient_clip_val!r} would "
                 "clip the averaged update instead of the gradient; set gradient_clip_val=None and clip each rank's "
                 f"gradient before its moments with memory_options={{'clip_norm': {trainer.gradient_clip_val!r}}}"
             )
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(SCALED_GRADIENTS_REFUSED)
+            return SCALED_GRADIENTS_REFUSED
         if self.engine.sparse_gradient_names:
-            raise ValueError(
+            return (
                 f"memory='adam' computes dense Adam updates, but {', '.join(self.engine.sparse_gradient_names)} "
                 "have sparse gradients (nn.Embedding(sparse=True)); use sparse=False, or memory='residual'"
             )
+        return None
+
+    def _hand_adam_to(self, memory: AdamMemory, trainer: Any) -> None:
+        """memory='adam' computes each rank's Adam step: the user's Adam or AdamW is replaced by the
+        step that applies the ranks' averaged update, over the same parameter groups, and its LR
+        schedulers move to the replacement. What would act on the averaged update instead of the
+        gradient is refused (``_adam_refused``)."""
+        refused = self._adam_refused(trainer)
+        if refused is not None:
+            raise ValueError(refused)
         replaced = self.optimizers
         replacements = memory.take_over(replaced)
         for config in self.lr_scheduler_configs:
@@ -629,9 +659,8 @@ class SSFusionStrategy(DDPStrategy):
                 "weights_only=False)"
             ) from error
         self._restored_state = checkpoint.get(CHECKPOINT_KEY)
-        if self.engine is not None and self._restored_state is not None:
-            self._restore_engine(self._restored_state)
-            self._restored_state = None
+        if self.engine is not None:
+            self._restore_pending_engine_state()
         return checkpoint
 
     def _restore_engine(self, saved: Any) -> None:

@@ -388,11 +388,12 @@ def test_the_light_checks_know_the_same_choices_as_the_strategy():
     """app.validation repeats a few choices so that checking them loads no torch; they must not drift."""
     from ssfusion_lightning.engine.engine import NONFINITE_POLICIES
     from ssfusion_lightning.sparsifiers import MEMORIES
+    from ssfusion_lightning.sparsifiers.memory_choice import AUTO
     from ssfusion_lightning.strategy import OFFLOAD_CHOICES
 
     assert validation.OFFLOAD_CHOICES == OFFLOAD_CHOICES
     assert validation.NONFINITE_CHOICES == tuple(NONFINITE_POLICIES)
-    assert list(validation.MEMORY_CHOICES) == MEMORIES.names()
+    assert list(validation.MEMORY_CHOICES) == sorted([*MEMORIES.names(), AUTO])
     assert set(validation.SSFUSION_OPTIONS) <= set(inspect.signature(ssf.SSFusionStrategy).parameters)
 
 

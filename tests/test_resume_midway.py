@@ -56,6 +56,8 @@ CASES = {
     "mid-epoch-topk-ahead-hybrid": (dict(sparsifier="topk", fusion="ahead", comm="hybrid"), 5, 12, 1),
     "mid-epoch-adam-memory-topk-selective-hybrid": (dict(sparsifier="topk", memory="adam", fusion="selective", comm="hybrid"), 5, 12, 1),
     "mid-epoch-dgc-memory-selective-zen": (dict(sparsifier="dgc", memory="dgc", fusion="selective", comm="zen"), 5, 12, 1),
+    # memory="auto" picks its memory at setup again (dgc, for the SGD with momentum), then loads its state
+    "mid-epoch-auto-memory-selective-allgather": (dict(sparsifier="dgc", memory="auto", fusion="selective", comm="allgather"), 5, 12, 1),
     # mid-epoch in a later epoch: the sampler's order depends on the epoch
     "mid-second-epoch-dgc-aligned-thread-offload": (dict(sparsifier="dgc", fusion="aligned", comm="hybrid", offload="thread"), 11, 16, 1),
     "mid-accumulation-randomk-behind-allreduce": (dict(sparsifier="randomk", fusion="behind", comm="allreduce"), 7, 8, 2),

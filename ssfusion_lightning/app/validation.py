@@ -39,7 +39,7 @@ SSFUSION_OPTIONS = _strategy_options()
 # The choices below are defined next to torch code (the memory registry, SSFusionStrategy's
 # OFFLOAD_CHOICES, the engine's NONFINITE_POLICIES); they are repeated here so that checking them
 # loads no torch, and tests/test_cli.py keeps the copies equal to the originals.
-MEMORY_CHOICES = ("adam", "dgc", "none", "residual")
+MEMORY_CHOICES = ("adam", "auto", "dgc", "none", "residual")
 OFFLOAD_CHOICES = ("none", "thread", "stream", "auto")
 NONFINITE_CHOICES = ("raise", "skip")
 GPU_ACCELERATORS = ("gpu", "cuda")

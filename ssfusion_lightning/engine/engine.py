@@ -295,6 +295,14 @@ class FusionEngine:
         if self._apply_density_schedule():
             self.set_plan(self._build_plan(self.order, self.costs))
 
+    def set_memory(self, memory: Memory) -> None:
+        """Another memory, before the first round (``memory="auto"`` picks one once the optimizers exist)."""
+        if self.step:
+            raise RuntimeError(f"ssfusion: the error-feedback memory can only be replaced before the first step, not at step {self.step}")
+        memory.set_world_size(self.world_size)
+        self.memory = memory
+        self._new_round()  # the round made with the plan holds the memory it was made with
+
     def set_plan(self, plan: Plan) -> None:
         # a per-buffer communicator records its scheme in the plan, from the agreed costs
         sizes = {b.index: self.params[b.slots[0].param].element_size() for b in plan.buffers if b.slots}

@@ -71,6 +71,39 @@ class AveragedUpdate(torch.optim.SGD):
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 
+def adam_settings(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[float, float], float]:
+    """The betas and eps ``memory="adam"`` takes over from ``optimizers``; ValueError, saying why,
+    where it cannot compute their step: another optimizer, AMSGrad or maximize, Adam's coupled
+    weight decay, or parameter groups with different betas or eps."""
+    names = sorted({type(opt).__name__ for opt in optimizers if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))})
+    if names or not optimizers:
+        raise ValueError(
+            f"memory='adam' computes an Adam or AdamW optimizer's step, but the optimizers are {', '.join(names) or 'none'}; "
+            "use memory='residual', or memory='dgc' with SGD and momentum"
+        )
+    settings = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for key, plain in _PLAIN_ADAM.items():
+                if bool(group.get(key, plain)) != plain:
+                    raise ValueError(f"memory='adam' computes plain Adam's step, but the optimizer has {key}=True; set {key}=False")
+            coupled = isinstance(opt, torch.optim.Adam) and not group.get("decoupled_weight_decay", False)
+            if coupled and group.get("weight_decay"):
+                raise ValueError(
+                    f"memory='adam' applies weight decay decoupled (AdamW's), but the optimizer is Adam with "
+                    f"weight_decay={group['weight_decay']!r} added to the gradient; use AdamW (or Adam with "
+                    "decoupled_weight_decay=True), or weight_decay=0"
+                )
+            settings.add((tuple(float(b) for b in group["betas"]), float(group["eps"])))
+    if len(settings) > 1:
+        raise ValueError(
+            f"memory='adam' keeps one pair of moments per tensor, but the parameter groups use different betas and eps "
+            f"{sorted(settings)}; use one setting for every group"
+        )
+    (betas, eps), = settings
+    return betas, eps
+
+
 @MEMORIES.register("adam")
 class AdamMemory(LocallyClipped, Memory):
     """Error feedback on each rank's Adam update (see the module's notes).
@@ -105,32 +138,7 @@ class AdamMemory(LocallyClipped, Memory):
         """This memory computes the Adam step of every optimizer in ``optimizers`` (Adam or AdamW,
         one pair of betas and one eps): their betas and eps move here, and each one's replacement
         (``AveragedUpdate``) is returned, in order."""
-        names = sorted({type(opt).__name__ for opt in optimizers if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))})
-        if names or not optimizers:
-            raise ValueError(
-                f"memory='adam' computes an Adam or AdamW optimizer's step, but the optimizers are {', '.join(names) or 'none'}; "
-                "use memory='residual', or memory='dgc' with SGD and momentum"
-            )
-        settings = set()
-        for opt in optimizers:
-            for group in opt.param_groups:
-                for key, plain in _PLAIN_ADAM.items():
-                    if bool(group.get(key, plain)) != plain:
-                        raise ValueError(f"memory='adam' computes plain Adam's step, but the optimizer has {key}=True; set {key}=False")
-                coupled = isinstance(opt, torch.optim.Adam) and not group.get("decoupled_weight_decay", False)
-                if coupled and group.get("weight_decay"):
-                    raise ValueError(
-                        f"memory='adam' applies weight decay decoupled (AdamW's), but the optimizer is Adam with "
-                        f"weight_decay={group['weight_decay']!r} added to the gradient; use AdamW (or Adam with "
-                        "decoupled_weight_decay=True), or weight_decay=0"
-                    )
-                settings.add((tuple(float(b) for b in group["betas"]), float(group["eps"])))
-        if len(settings) > 1:
-            raise ValueError(
-                f"memory='adam' keeps one pair of moments per tensor, but the parameter groups use different betas and eps "
-                f"{sorted(settings)}; use one setting for every group"
-            )
-        (self.betas, self.eps), = settings
+        self.betas, self.eps = adam_settings(optimizers)
         return [AveragedUpdate(opt) for opt in optimizers]
 
     # ------------------------------------------------------------ one round

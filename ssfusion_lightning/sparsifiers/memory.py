@@ -481,6 +481,34 @@ class ResidualMemory(Memory):
         self.residuals.clear()
 
 
+def _momentum_groups(optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+    return [g for opt in optimizers if isinstance(opt, torch.optim.SGD) for g in opt.param_groups if g.get("momentum")]
+
+
+def sgd_momentum(optimizers: Sequence[torch.optim.Optimizer]) -> float | None:
+    """The momentum ``memory="dgc"`` takes over from the SGD parameter groups that have one (None
+    where none has); ValueError, saying why, where it cannot: several momenta, Nesterov or
+    dampening (momentum correction applies plain u = m * u + g)."""
+    groups = _momentum_groups(optimizers)
+    if not groups:
+        return None
+    momenta = sorted({float(g["momentum"]) for g in groups})
+    if len(momenta) > 1:
+        raise ValueError(
+            f"memory='dgc' takes over the optimizer's momentum, but its parameter groups use different momenta "
+            f"{momenta}; use one momentum for every group, or memory='residual'"
+        )
+    variants = sorted({f"nesterov={g.get('nesterov')}, dampening={g.get('dampening')}" for g in groups if g.get("nesterov") or g.get("dampening")})
+    if variants:
+        raise ValueError(
+            f"memory='dgc' applies plain momentum (u = m * u + g), but the optimizer uses {variants[0]}; "
+            "use nesterov=False and dampening=0, or memory='residual'"
+        )
+    if not 0.0 <= momenta[0] < 1.0:
+        raise ValueError(f"memory='dgc' needs a momentum in [0, 1), the optimizer has {momenta[0]!r}")
+    return momenta[0]
+
+
 @MEMORIES.register("dgc")
 class DGCMemory(LocallyClipped, Memory):
     """Deep Gradient Compression's momentum correction with optional local gradient clipping.
@@ -519,25 +547,11 @@ class DGCMemory(LocallyClipped, Memory):
         """Momentum correction replaces an SGD optimizer's momentum (applied twice otherwise: once
         here, once in the optimizer): the momentum of the SGD parameter groups that have one moves
         here, and theirs becomes 0. Returns it, or None when no group had momentum."""
-        groups = [g for opt in optimizers if isinstance(opt, torch.optim.SGD) for g in opt.param_groups if g.get("momentum")]
-        if not groups:
+        momentum = sgd_momentum(optimizers)
+        if momentum is None:
             return None
-        momenta = sorted({float(g["momentum"]) for g in groups})
-        if len(momenta) > 1:
-            raise ValueError(
-                f"memory='dgc' takes over the optimizer's momentum, but its parameter groups use different momenta "
-                f"{momenta}; use one momentum for every group, or memory='residual'"
-            )
-        variants = sorted({f"nesterov={g.get('nesterov')}, dampening={g.get('dampening')}" for g in groups if g.get("nesterov") or g.get("dampening")})
-        if variants:
-            raise ValueError(
-                f"memory='dgc' applies plain momentum (u = m * u + g), but the optimizer uses {variants[0]}; "
-                "use nesterov=False and dampening=0, or memory='residual'"
-            )
-        if not 0.0 <= momenta[0] < 1.0:
-            raise ValueError(f"memory='dgc' needs a momentum in [0, 1), the optimizer has {momenta[0]!r}")
-        self.momentum = momenta[0]
-        for group in groups:
+        self.momentum = momentum
+        for group in _momentum_groups(optimizers):
             group["momentum"] = 0.0
         return self.momentum
 

@@ -1,0 +1,81 @@
+"""``memory="auto"``: the error feedback the measurements favour for the optimizer a run uses,
+picked once the optimizers exist (the strategy builds the engine before them).
+
+- SGD with momentum: ``dgc`` (momentum correction) keeping 90% of the unsent velocity. On the
+  digits cell (P = 4, 40 Mbit/s, six seeds) it kept ssfusion@1% within 2.5 points of DDP from a
+  quarter of the run on, against 30.1 with all of it kept and 49.2 for residual error feedback, and
+  ended 0.1% with the density warm-up 0.14 points under DDP, against 4.2 for residual
+  (experiments/REPORT.md, "Keeping 90% of the unsent part on the digits cell", "0.1% with DGC's
+  warm-up and feedback 0.9").
+- Adam or AdamW: ``adam`` (error feedback on each rank's Adam update) keeping 90% of the unsent
+  update: on the byte-level LM at 1% it left the early plateau with dense AdamW and reached 2.44-2.45
+  after 300 steps, against 2.79-2.94 for all of it kept (REPORT, "What holds the LM on its plateau").
+  Where the run has what ``adam`` refuses (the Trainer's gradient clipping, a GradScaler, sparse
+  embedding gradients), ``residual`` instead.
+- Anything else: ``residual``, all of the unsent part kept (nothing else was measured better).
+
+A ``feedback`` in ``memory_options`` is used as given; it is the only option every memory auto may
+pick accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ssfusion_lightning.sparsifiers.adam_memory import adam_settings
+from ssfusion_lightning.sparsifiers.memory import sgd_momentum
+
+AUTO = "auto"
+#: the fraction of the unsent part auto's dgc and adam keep
+AUTO_FEEDBACK = 0.9
+#: the options ``memory="auto"`` takes: every memory it may pick accepts them
+AUTO_OPTIONS = ("feedback",)
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """The memory ``memory="auto"`` picked, its options, and why (for the log)."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+
+def check_auto_options(options: dict[str, Any]) -> None:
+    """Refuse an option some memory auto may pick would not accept, naming the valid ones."""
+    unknown = sorted(set(options) - set(AUTO_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"memory 'auto' has no option {unknown[0]!r}; its options: {', '.join(AUTO_OPTIONS)} (the memory it picks "
+            "depends on the optimizer: name the memory, e.g. memory='dgc', to set its other options)"
+        )
+
+
+def choose_memory(
+    optimizers: Sequence[torch.optim.Optimizer], options: dict[str, Any], adam_refused: str | None = None
+) -> MemoryChoice:
+    """``memory="auto"``'s pick for ``optimizers`` (see the module doc). ``adam_refused``: why the
+    run cannot take ``memory="adam"`` whatever its optimizer (None where it can)."""
+    check_auto_options(options)
+    names = ", ".join(sorted({type(opt).__name__ for opt in optimizers})) or "none"
+    kept = {"feedback": AUTO_FEEDBACK, **options}
+    try:
+        momentum, momentum_refused = sgd_momentum(optimizers), None
+    except ValueError as error:
+        momentum, momentum_refused = None, str(error)
+    if momentum:
+        return MemoryChoice("dgc", kept, f"SGD with momentum {momentum}: momentum correction")
+    refused = adam_refused
+    if refused is None:
+        try:
+            adam_settings(optimizers)
+        except ValueError as error:
+            refused = str(error)
+        else:
+            return MemoryChoice("adam", kept, f"{names}: error feedback on each rank's Adam update")
+    uses_adam = any(isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) for opt in optimizers)
+    why = momentum_refused or (refused if uses_adam else None)
+    return MemoryChoice("residual", dict(options), f"{names}: plain error feedback" + (f" ({why})" if why else ""))

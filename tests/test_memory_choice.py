@@ -1,0 +1,103 @@
+"""memory="auto": the memory picked for the run's optimizer (sparsifiers/memory_choice.py), and in
+training exactly the run that names that memory."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import ssfusion_lightning as ssf
+from ssfusion_lightning.sparsifiers.memory_choice import AUTO_FEEDBACK, choose_memory
+from tests.workloads import Regressor, make_trainer, regression_data
+
+
+def optimizer(kind: str, **options) -> torch.optim.Optimizer:
+    params = nn.Linear(3, 2).parameters()
+    return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop}[kind](
+        params, lr=0.1, **options
+    )
+
+
+@pytest.mark.parametrize(
+    "kind, options, picked",
+    [
+        ("sgd", {"momentum": 0.9}, "dgc"),
+        ("adamw", {}, "adam"),
+        ("adam", {}, "adam"),
+        ("sgd", {}, "residual"),
+        ("rmsprop", {}, "residual"),
+    ],
+)
+def test_the_pick_follows_the_optimizer(kind, options, picked):
+    choice = choose_memory([optimizer(kind, **options)], {})
+    assert choice.name == picked
+    assert choice.options == ({} if picked == "residual" else {"feedback": AUTO_FEEDBACK})
+
+
+@pytest.mark.parametrize(
+    "kind, options, why",
+    [
+        ("sgd", {"momentum": 0.9, "nesterov": True}, "nesterov=True"),
+        ("sgd", {"momentum": 0.9, "dampening": 0.5}, "dampening=0.5"),
+        ("adam", {"amsgrad": True}, "amsgrad=True"),
+        ("adam", {"weight_decay": 0.01}, "weight_decay=0.01 added to the gradient"),
+    ],
+)
+def test_what_dgc_or_adam_cannot_compute_falls_back_to_residual_and_says_why(kind, options, why):
+    choice = choose_memory([optimizer(kind, **options)], {})
+    assert choice.name == "residual" and choice.options == {} and why in choice.reason
+
+
+def test_a_run_adam_refuses_takes_residual_with_the_refusal_as_reason():
+    choice = choose_memory([optimizer("adamw")], {}, adam_refused="the Trainer clips")
+    assert choice.name == "residual" and "the Trainer clips" in choice.reason
+
+
+def test_a_given_feedback_is_used_as_given():
+    assert choose_memory([optimizer("sgd", momentum=0.9)], {"feedback": 0.95}).options == {"feedback": 0.95}
+    assert choose_memory([optimizer("sgd")], {"feedback": 0.95}).options == {"feedback": 0.95}
+
+
+def test_an_option_some_pick_would_refuse_is_refused_up_front_naming_the_valid_one():
+    with pytest.raises(TypeError, match=r"memory 'auto' has no option 'momentum'; its options: feedback"):
+        ssf.SSFusionStrategy(memory="auto", memory_options={"momentum": 0.9})
+    with pytest.raises(ValueError, match="feedback is the fraction"):
+        ssf.SSFusionStrategy(memory="auto", memory_options={"feedback": 1.5})
+    with pytest.raises(ValueError, match=r"unknown memory 'automatic'; valid choices: adam, auto, dgc, none, residual"):
+        ssf.SSFusionStrategy(memory="automatic")
+
+
+def auto_against_named(optimizer_kind: str) -> dict:
+    """The same 6 steps with memory='auto' and with the memory it should pick named, on each rank."""
+
+    def run(**memory) -> tuple[dict, str, str, float]:
+        L.seed_everything(0, verbose=False)
+        model = Regressor(optimizer=optimizer_kind, lr=0.01)
+        strategy = ssf.SSFusionStrategy(sparsifier="topk", density=0.05, fusion="ahead", comm="allgather", offload="none", **memory)
+        seen: dict = {}
+
+        class Memory(L.Callback):
+            def on_train_end(self, trainer, module):
+                seen.update(memory=strategy.engine.memory, optimizer=trainer.optimizers[0])
+
+        make_trainer(strategy, 6, callbacks=[Memory()]).fit(model, DataLoader(regression_data(), batch_size=16))
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return params, type(seen["memory"]).__name__, type(seen["optimizer"]).__name__, seen["memory"].feedback
+
+    named = "dgc" if optimizer_kind == "sgd" else "adam"
+    return {"auto": run(memory="auto"), "named": run(memory=named, memory_options={"feedback": AUTO_FEEDBACK})}
+
+
+@pytest.mark.parametrize("optimizer_kind, memory_kind, optimizer_name", [("sgd", "DGCMemory", "SGD"), ("adamw", "AdamMemory", "AveragedUpdate")])
+def test_auto_trains_exactly_as_the_memory_it_picks(pool2, optimizer_kind, memory_kind, optimizer_name):
+    results = pool2.run(auto_against_named, optimizer_kind)
+    first = results[0]["auto"][0]
+    for result in results:
+        auto, named = result["auto"], result["named"]
+        assert auto[1:] == named[1:] == (memory_kind, optimizer_name, AUTO_FEEDBACK)
+        for name in auto[0]:
+            assert torch.equal(auto[0][name], named[0][name]), name
+            assert torch.equal(auto[0][name], first[name]), f"{name} differs between ranks"
