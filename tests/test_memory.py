@@ -607,3 +607,27 @@ def test_many_tensor_forms_through_a_window_set_aside_give_the_bits_of_one_at_a_
             alone.update(key, grad, positions, verified=True)
     for key in keys:
         assert torch.equal(together.residual(key), alone.residual(key))
+
+
+@pytest.mark.parametrize("kind", ["residual", "dgc"])
+def test_put_back_adds_to_what_was_owed_since(kind):
+    """A key that came to owe again while its state was set aside (a sparse round in between) owes
+    both once it is put back: sent + owed is still every round's u, exactly."""
+    memory = build_memory(kind, **({"momentum": 0.5} if kind == "dgc" else {}))
+    grads = integer_grads((10,), 4, 3)
+    sent_total = torch.zeros(10, dtype=torch.float64)
+    owed_total = torch.zeros(10, dtype=torch.float64)
+    u = torch.zeros(10, dtype=torch.float64)
+    for step, grad in enumerate(grads):
+        if step == 2:
+            held = set_aside(memory)
+        u = 0.5 * u + grad if kind == "dgc" else grad
+        owed_total += u
+        sent = torch.tensor([step, step + 5])
+        sent_total += sent_of(memory, "w", grad, sent)
+        if kind == "dgc":
+            u[sent] = 0
+    owed_since = memory.residual("w").clone()
+    put_back(memory, held)
+    assert torch.equal(memory.residual("w"), owed_since + held[0]["w"])
+    assert torch.equal(sent_total + memory.residual("w"), owed_total)
