@@ -302,7 +302,7 @@ def test_first_buffer_cap_reaches_the_strategy_and_null_means_buffer_mb():
         ("strategy.density=1.5", "invalid value strategy.density=1.5; valid: a number with 0 < density <= 1"),
         ("strategy.process_groups=0", "invalid value strategy.process_groups=0; valid: an integer >= 1"),
         ("strategy.warmup_steps=-1", "invalid value strategy.warmup_steps=-1; valid: an integer >= 0"),
-        ("strategy.memory=ef", "invalid value strategy.memory=ef; valid: one of adam, dgc, none, residual"),
+        ("strategy.memory=ef", "invalid value strategy.memory=ef; valid: one of adam, auto, dgc, none, residual"),
         ("strategy.start_method=threads", "invalid value strategy.start_method=threads; valid: one of auto, popen"),
         ("strategy.broadcast_buffers=maybe", "invalid value strategy.broadcast_buffers=maybe; valid: true or false"),
     ],
