@@ -51,6 +51,12 @@ def test_what_dgc_or_adam_cannot_compute_falls_back_to_residual_and_says_why(kin
     assert choice.name == "residual" and choice.options == {} and why in choice.reason
 
 
+def test_sgd_beside_another_optimizer_takes_residual():
+    """Momentum correction would apply SGD's momentum to the other optimizer's tensors too."""
+    choice = choose_memory([optimizer("sgd", momentum=0.9), optimizer("adamw")], {})
+    assert choice.name == "residual" and "would apply SGD's momentum to every tensor" in choice.reason
+
+
 def test_a_run_adam_refuses_takes_residual_with_the_refusal_as_reason():
     choice = choose_memory([optimizer("adamw")], {}, adam_refused="the Trainer clips")
     assert choice.name == "residual" and "the Trainer clips" in choice.reason

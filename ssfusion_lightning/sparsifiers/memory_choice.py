@@ -12,7 +12,8 @@ picked once the optimizers exist (the strategy builds the engine before them).
   after 300 steps, against 2.79-2.94 for all of it kept (REPORT, "What holds the LM on its plateau").
   Where the run has what ``adam`` refuses (the Trainer's gradient clipping, a GradScaler, sparse
   embedding gradients), ``residual`` instead.
-- Anything else: ``residual``, all of the unsent part kept (nothing else was measured better).
+- Anything else (another optimizer, or SGD beside another kind): ``residual``, all of the unsent
+  part kept (nothing else was measured better).
 
 A ``feedback`` in ``memory_options`` is used as given; it is the only option every memory auto may
 pick accepts.
@@ -66,8 +67,12 @@ def choose_memory(
         momentum, momentum_refused = sgd_momentum(optimizers), None
     except ValueError as error:
         momentum, momentum_refused = None, str(error)
-    if momentum:
+    only_sgd = all(isinstance(opt, torch.optim.SGD) for opt in optimizers)
+    if momentum and only_sgd:
         return MemoryChoice("dgc", kept, f"SGD with momentum {momentum}: momentum correction")
+    if momentum:
+        # momentum correction would apply the SGD's momentum to the other optimizers' gradients too
+        momentum_refused = f"memory='dgc' would apply SGD's momentum to every tensor, but the optimizers are {names}"
     refused = adam_refused
     if refused is None:
         try:
