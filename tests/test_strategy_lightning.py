@@ -302,6 +302,51 @@ def logged_metrics_run(directory: str):
     return logger.log_dir if dist.get_rank() == 0 else None
 
 
+class _RecordedForwards(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+        self.hits: list[int] = []
+        self.seen: list[int] = []
+
+    def forward(self, images):
+        return self.inner(images)
+
+
+def train_accuracy_run():
+    from torch.utils.data import TensorDataset
+
+    from ssfusion_lightning.models.tasks.image import ImageClassifier
+
+    rank = dist.get_rank()
+    L.seed_everything(3 + rank, verbose=False)
+    model = _RecordedForwards()
+    # the ranks' batches differ in size (12 and 24 samples, 3 batches each), so the mean of the ranks'
+    # accuracies is not the accuracy of their samples
+    size = 12 * (rank + 1)
+    data = DataLoader(TensorDataset(torch.randn(size, 1, 8, 8), torch.randint(0, 10, (size,))), batch_size=size // 3)
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            with torch.no_grad():
+                model.hits.append(int((model(batch[0]).argmax(1) == batch[1]).sum()))
+            model.seen.append(len(batch[1]))
+
+    task = ImageClassifier(model, num_classes=10, lr=0.1)
+    trainer = make_trainer(ssf.SSFusionStrategy(**SPARSE), 3, use_distributed_sampler=False, callbacks=[Record()])
+    trainer.fit(task, data)
+    return sum(model.hits), sum(model.seen), trainer.callback_metrics["train/acc"].item()
+
+
+def test_train_accuracy_counts_every_ranks_samples(pool2):
+    """train/acc is the accuracy of all ranks' training samples, where the ranks saw different numbers."""
+    (hits0, seen0, logged0), (hits1, seen1, logged1) = pool2.run(train_accuracy_run)
+    expected = (hits0 + hits1) / (seen0 + seen1)
+    assert expected != pytest.approx((hits0 / seen0 + hits1 / seen1) / 2, abs=1e-3)  # so a mean of means would fail
+    assert logged0 == pytest.approx(expected, abs=1e-6)
+    assert logged1 == pytest.approx(expected, abs=1e-6)
+
+
 def test_communication_metrics_reach_the_logger(pool2, tmp_path):
     import csv
 
