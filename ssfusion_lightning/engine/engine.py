@@ -61,6 +61,7 @@ from ssfusion_lightning.engine.trial import FUSED, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.fusion.cut import recut_dense_runs
+from ssfusion_lightning.host_cores import every_rank_lacks_spare_core, gather_cores
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier
 from ssfusion_lightning.sparsifiers.memory import put_back, set_aside
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
@@ -827,8 +828,17 @@ class FusionEngine:
         local = self._profiler.local_vector(self.channels.cpu_seconds_per_job())
         spread = self.communicator.selection_spread(self.world_size)
         spread = 1.0 if spread is None else spread
-        serial_cpu = measure_serial_cpu(sync=barrier_of(group, device))
+        serial_cpu = self._serial_cpu(group)
         return agree(local, self.names, links, self.world_size, group, device, spread, serial_cpu)
+
+    def _serial_cpu(self, group: dist.ProcessGroup | None) -> float:
+        """1 where no rank has a spare core (read from the ranks' hosts and affinities), else timed."""
+        device = self.channels.device
+        if every_rank_lacks_spare_core(gather_cores(group, device)):
+            if dist.get_rank() == 0:
+                log.info("ssfusion: serial CPU share 1: every rank's cores are held by ranks (not timed)")
+            return 1.0
+        return measure_serial_cpu(sync=barrier_of(group, device))
 
     def _drop_round(self, where: str, globally_used: list[int] | None) -> StepMetrics:
         """Every rank drops the round alike: error feedback and thresholds untouched, and either
