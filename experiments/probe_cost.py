@@ -1,6 +1,7 @@
 """How long the cost model's one-time probes take on the emulated cluster: the links' alpha-beta
-(``costmodel.measure_links``) and the serial CPU share (``costmodel.measure_serial_cpu``), three
-times, printed by rank 0. The CPU probe's phase length and repeats come from the environment
+(``costmodel.measure_links``), the ranks' cores table that stands in for the CPU probe where no rank
+has a spare core (``host_cores``), and the timed serial CPU share (``costmodel.measure_serial_cpu``),
+three times, printed by rank 0. The CPU probe's phase length and repeats come from the environment
 (PHASE seconds, default 0.02; REPEATS, default 5), to see what a shorter probe would measure.
 
     python -m experiments.cluster run --nodes 4 --rate 40mbit -q -- env PHASE=0.02 REPEATS=5 python -m experiments.probe_cost
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ssfusion_lightning.costmodel import barrier_of, measure_links, measure_serial_cpu
+from ssfusion_lightning.host_cores import every_rank_lacks_spare_core, gather_cores
 
 
 def main() -> None:
@@ -28,10 +30,16 @@ def main() -> None:
         started = time.perf_counter()
         measure_links(("allreduce", "allgather"), group, device)
         linked = time.perf_counter()
+        no_spare_core = every_rank_lacks_spare_core(gather_cores(group, device))
+        tabled = time.perf_counter()
         share = measure_serial_cpu(sync=barrier_of(group, device), phase_seconds=phase, repeats=repeats)
         ended = time.perf_counter()
         if dist.get_rank() == 0:
-            print(f"rep {rep}: links {1e3 * (linked - started):.0f} ms, serial cpu {1e3 * (ended - linked):.0f} ms (share {share:.2f})", flush=True)
+            print(
+                f"rep {rep}: links {1e3 * (linked - started):.0f} ms, cores table {1e3 * (tabled - linked):.1f} ms "
+                f"(no spare core: {no_spare_core}), timed serial cpu {1e3 * (ended - tabled):.0f} ms (share {share:.2f})",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

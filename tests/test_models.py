@@ -443,6 +443,12 @@ class _RecordingModel(torch.nn.Module):
         return out
 
 
+def test_a_model_of_another_class_count_is_named():
+    task = ImageClassifier(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 7)), num_classes=10)
+    with pytest.raises(ValueError, match=r"shape \(2, 7\).*num_classes=10.*\(batch, 10\)"):
+        task.training_step((torch.randn(2, 1, 4, 4), torch.zeros(2, dtype=torch.long)), 0)
+
+
 def test_train_accuracy_is_each_epochs_own():
     """train/acc, logged at the epoch's end, is the accuracy of that epoch's training forwards only."""
     L.seed_everything(0, verbose=False)

@@ -333,18 +333,27 @@ def train_accuracy_run():
             model.seen.append(len(batch[1]))
 
     task = ImageClassifier(model, num_classes=10, lr=0.1)
-    trainer = make_trainer(ssf.SSFusionStrategy(**SPARSE), 3, use_distributed_sampler=False, callbacks=[Record()])
+    trainer = make_trainer(
+        ssf.SSFusionStrategy(**SPARSE), 3, use_distributed_sampler=False, callbacks=[Record()], limit_val_batches=1.0
+    )
     trainer.fit(task, data)
-    return sum(model.hits), sum(model.seen), trainer.callback_metrics["train/acc"].item()
+    trained = sum(model.hits), sum(model.seen), trainer.callback_metrics["train/acc"].item()
+    images, labels = data.dataset.tensors
+    with torch.no_grad():
+        val_hits = int((model(images).argmax(1) == labels).sum())
+    trainer.validate(task, data, verbose=False)
+    return trained, (val_hits, size, trainer.callback_metrics["val/acc"].item())
 
 
-def test_train_accuracy_counts_every_ranks_samples(pool2):
-    """train/acc is the accuracy of all ranks' training samples, where the ranks saw different numbers."""
-    (hits0, seen0, logged0), (hits1, seen1, logged1) = pool2.run(train_accuracy_run)
-    expected = (hits0 + hits1) / (seen0 + seen1)
-    assert expected != pytest.approx((hits0 / seen0 + hits1 / seen1) / 2, abs=1e-3)  # so a mean of means would fail
-    assert logged0 == pytest.approx(expected, abs=1e-6)
-    assert logged1 == pytest.approx(expected, abs=1e-6)
+def test_accuracy_counts_every_ranks_samples(pool2):
+    """train/acc and val/acc are the accuracy of all ranks' samples, where the ranks saw different numbers."""
+    results = pool2.run(train_accuracy_run)
+    for stage in range(2):
+        (hits0, seen0, logged0), (hits1, seen1, logged1) = (result[stage] for result in results)
+        expected = (hits0 + hits1) / (seen0 + seen1)
+        assert expected != pytest.approx((hits0 / seen0 + hits1 / seen1) / 2, abs=1e-3)  # so a mean of means would fail
+        assert logged0 == pytest.approx(expected, abs=1e-6), stage
+        assert logged1 == pytest.approx(expected, abs=1e-6), stage
 
 
 def test_communication_metrics_reach_the_logger(pool2, tmp_path):

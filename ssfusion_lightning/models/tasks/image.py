@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics.classification import MulticlassAccuracy
 
 from ssfusion_lightning.models.tasks.base import Task
 
@@ -30,22 +29,29 @@ class ImageClassifier(Task):
     ) -> None:
         super().__init__(model, optimizer, lr, weight_decay, momentum, betas, lr_schedule, warmup_steps)
         self.save_hyperparameters(ignore=["model"])
-        # Training accuracy is counted, not a metric object: a MulticlassAccuracy's sync is 12 collectives
-        # (a barrier and two allgathers per state), 35-41 ms each epoch on 4 CPU ranks, inside the
-        # training loop's time (experiments/REPORT.md, "train/acc in two all-reduces"); the counts take two.
+        self.num_classes = num_classes
+        # Accuracy is counted, not a metric object: a MulticlassAccuracy's sync is 12 collectives (a
+        # barrier and two allgathers per state), 35-41 ms an epoch on 4 CPU ranks, inside the training
+        # loop's time (experiments/REPORT.md, "Start-up and epoch ends"); Lightning's synced mean takes two.
         self._train_counts: Tensor | None = None
-        # One metric object per evaluation stage: their states must not mix, and each syncs across ranks itself.
-        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         images, labels = batch
-        logits = self.model(images)
+        logits = self._classify(images)
         loss = F.cross_entropy(logits, labels)
         self._count_train_hits(logits.detach(), labels)
         # No prog_bar and no sync on per-step values: either would force a device sync every step.
         self.log("train/loss", loss)
         return loss
+
+    def _classify(self, images: Tensor) -> Tensor:
+        logits = self.model(images)
+        if logits.dim() != 2 or logits.shape[1] != self.num_classes:
+            raise ValueError(
+                f"the model's output has shape {tuple(logits.shape)}, but the task has num_classes={self.num_classes}: "
+                f"expected (batch, {self.num_classes})"
+            )
+        return logits
 
     def _count_train_hits(self, logits: Tensor, labels: Tensor) -> None:
         # on the logits' device and never read back per step: reading would sync a GPU every step
@@ -65,14 +71,16 @@ class ImageClassifier(Task):
         self._train_counts = None
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val", self.val_acc)
+        self._evaluate(batch, "val")
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "test", self.test_acc)
+        self._evaluate(batch, "test")
 
-    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str, accuracy: MulticlassAccuracy) -> None:
+    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str) -> None:
         images, labels = batch
-        logits = self.model(images)
-        accuracy.update(logits, labels)
-        self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True)
-        self.log(f"{stage}/acc", accuracy, prog_bar=True)
+        logits = self._classify(images)
+        # weighed by batch size and summed over the ranks: the loss and accuracy of every rank's samples
+        count = len(labels)
+        self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True, batch_size=count)
+        hits = (logits.argmax(1) == labels).float().mean()
+        self.log(f"{stage}/acc", hits, prog_bar=True, sync_dist=True, batch_size=count)
