@@ -4,7 +4,7 @@ A rank whose host runs at least as many ranks as the cores they may run on has n
 during the backward every core runs some rank's main thread, so work on a second thread of the
 rank (an offloaded selection, a channel's collective) is taken from the backward, a serial CPU
 share of 1. Timed, that took 0.6-0.7 s of a 4-rank run's first steps on 2 cores and measured
-0.96-1.00 (experiments/REPORT.md, "The serial CPU share from the host's cores"). Where the
+0.96-1.00 (experiments/REPORT.md, "Start-up and epoch ends"). Where the
 table cannot tell (a spare core may exist, or the platform has no boot id or affinity), the
 engine times it (``costmodel.measure_serial_cpu``).
 
