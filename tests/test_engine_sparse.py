@@ -380,3 +380,33 @@ def test_the_large_tensors_batch_is_charged_to_them_not_to_the_buffers_launch(po
     for large, launches in pool2.run(slow_large_batch_run):
         assert launches and large >= 0.2 * len(launches)
         assert all(seconds < 0.2 for seconds in launches), launches
+
+
+def plan_builds_run():
+    """How often the policy plans, for plans asked for again and for plans whose inputs differ."""
+    from dataclasses import replace
+
+    from ssfusion_lightning.costmodel import CostProfile
+
+    model = TwoBranch()
+    engine = make_engine(model, "selective", buffer_bytes=None)
+    planned = []
+    plan = engine.policy.plan
+    engine.policy.plan = lambda specs, ctx: planned.append(ctx.costs) or plan(specs, ctx)
+    costs = CostProfile(backward={name: 1e-3 for name in engine.names}, world_size=2, measured=True)
+    first = engine._build_plan(engine.order, costs)
+    again = engine._build_plan(list(engine.order), replace(costs))  # equal inputs, other objects
+    fused = engine._build_plan(engine.order, replace(costs, fused_measured_faster=True))
+    engine.sparsifier.set_density(0.2)
+    denser = engine._build_plan(engine.order, costs)
+    engine.sparsifier.set_density(0.1)
+    back = engine._build_plan(engine.order, costs)
+    reordered = engine._build_plan(list(reversed(engine.order)), costs)
+    engine.close()
+    return len(planned), again is first, back is first, fused is first, denser.fingerprint() != first.fingerprint(), reordered is first
+
+
+def test_a_plan_asked_for_again_is_not_planned_again(pool2):
+    for planned, again, back, fused, denser_differs, reordered in pool2.run(plan_builds_run):
+        # first, fused, denser, reordered planned; again and back kept
+        assert planned == 4 and again and back and not fused and denser_differs and not reordered
