@@ -79,8 +79,8 @@ class ImageClassifier(Task):
     def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str) -> None:
         images, labels = batch
         logits = self._classify(images)
-        # weighed by batch size and summed over the ranks: the loss and accuracy of every rank's samples
+        # weighted by batch size and summed over the ranks: the loss and accuracy of every rank's samples
         count = len(labels)
         self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True, batch_size=count)
-        hits = (logits.argmax(1) == labels).float().mean()
-        self.log(f"{stage}/acc", hits, prog_bar=True, sync_dist=True, batch_size=count)
+        accuracy = (logits.argmax(1) == labels).float().mean()
+        self.log(f"{stage}/acc", accuracy, prog_bar=True, sync_dist=True, batch_size=count)
