@@ -302,17 +302,6 @@ def logged_metrics_run(directory: str):
     return logger.log_dir if dist.get_rank() == 0 else None
 
 
-class _RecordedForwards(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
-        self.hits: list[int] = []
-        self.seen: list[int] = []
-
-    def forward(self, images):
-        return self.inner(images)
-
-
 def train_accuracy_run():
     from torch.utils.data import TensorDataset
 
@@ -320,7 +309,8 @@ def train_accuracy_run():
 
     rank = dist.get_rank()
     L.seed_everything(3 + rank, verbose=False)
-    model = _RecordedForwards()
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    hits, seen = [], []
     # the ranks' batches differ in size (12 and 24 samples, 3 batches each), so the mean of the ranks'
     # accuracies is not the accuracy of their samples
     size = 12 * (rank + 1)
@@ -329,15 +319,15 @@ def train_accuracy_run():
     class Record(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             with torch.no_grad():
-                model.hits.append(int((model(batch[0]).argmax(1) == batch[1]).sum()))
-            model.seen.append(len(batch[1]))
+                hits.append(int((model(batch[0]).argmax(1) == batch[1]).sum()))
+            seen.append(len(batch[1]))
 
     task = ImageClassifier(model, num_classes=10, lr=0.1)
     trainer = make_trainer(
         ssf.SSFusionStrategy(**SPARSE), 3, use_distributed_sampler=False, callbacks=[Record()], limit_val_batches=1.0
     )
     trainer.fit(task, data)
-    trained = sum(model.hits), sum(model.seen), trainer.callback_metrics["train/acc"].item()
+    trained = sum(hits), sum(seen), trainer.callback_metrics["train/acc"].item()
     images, labels = data.dataset.tensors
     with torch.no_grad():
         val_hits = int((model(images).argmax(1) == labels).sum())
