@@ -556,9 +556,16 @@ def is_all_finite(tensor: Tensor) -> bool:
 
 
 def all_finite(tensors: Sequence[Tensor]) -> Tensor:
-    """A 0-d bool tensor (no host sync): min and max propagate NaN and +-Inf, and one aminmax pass
-    costs a tenth of ``isfinite(t).all()`` on CPU."""
-    bounds = [bound for t in tensors if t.numel() for bound in torch.aminmax(t)]
-    if not bounds:
+    """A 0-d bool tensor, with no device sync: min and max propagate NaN and +-Inf, and one aminmax
+    pass costs a tenth of ``isfinite(t).all()``. fp32 and fp64 on the host take a sum instead, which
+    propagates them too at about half aminmax's cost there (2.6 against 7.7 ms over gpt2_10m's 10.6M
+    sparse elements, one thread); a sum that overflowed on finite values gets the exact check, which
+    costs the host no sync."""
+    present = [t for t in tensors if t.numel()]
+    if not present:
         return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
-    return torch.isfinite(torch.stack(bounds)).all()
+    if all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in present):
+        if bool(torch.isfinite(torch.stack([t.sum() for t in present])).all()):
+            return torch.ones((), dtype=torch.bool)
+        return torch.tensor(all(bool(torch.isfinite(t).all()) for t in present))
+    return torch.isfinite(torch.stack([bound for t in present for bound in torch.aminmax(t)])).all()
