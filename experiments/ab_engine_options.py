@@ -122,8 +122,9 @@ def markdown(rows: list[dict], a: str, b: str) -> str:
             ms = {v: statistics.median(float(r["compress_ms"]) for r in of[v]) for v in "AB"}
             x_cpu = {v: statistics.median(float(r["x_ddp_cpu"]) for r in of[v]) for v in "AB"}
             buffers = {v: ", ".join(str(r.get("buffers") or "?") for r in of[v]) for v in "AB"}
+            compress_ratio = f"{ms['B'] / ms['A']:.2f}" if ms["A"] else "-"  # a dense scheme compresses nothing
             lines.append(
-                f"| {' | '.join(key)} | {ms['A']:.1f} | {ms['B']:.1f} | {ms['B'] / ms['A']:.2f} | "
+                f"| {' | '.join(key)} | {ms['A']:.1f} | {ms['B']:.1f} | {compress_ratio} | "
                 f"{x_cpu['A']:.3f} | {x_cpu['B']:.3f} | {x_cpu['B'] / x_cpu['A']:.2f} | {buffers['A']}; {buffers['B']} |"
             )
     return "\n".join(lines) + "\n"
