@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiments.ab_engine_options import checkout_of
+from experiments.ab_engine_options import checked_out
 from experiments.common import RESULTS, read_csv, write_csv
 from experiments.e2e_analyze import ENGINE_SCHEMES
 
@@ -84,18 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="ab_compress_") as tmp:
-        scratch = Path(tmp)
-        checkouts = {"A": checkout_of(args.a_rev, scratch), "B": checkout_of(args.b_rev, scratch)}
-        try:
-            for repeat in range(args.repeats):
-                for variant, (checkout, revision) in checkouts.items():
-                    rows.append(run_variant(args, variant, checkout, revision, repeat, scratch))
-                    print(f"repeat {repeat} variant {variant}: step {rows[-1]['step_ms']} ms, compress {rows[-1]['compress_ms']} ms", flush=True)
-        finally:
-            for checkout, revision in checkouts.values():
-                if revision != "working tree":
-                    subprocess.run(["git", "worktree", "remove", "--force", str(checkout)], check=False, capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="ab_compress_") as tmp, checked_out((args.a_rev, args.b_rev), Path(tmp)) as checkouts:
+        for repeat in range(args.repeats):
+            for variant, (checkout, revision) in zip("AB", checkouts):
+                rows.append(run_variant(args, variant, checkout, revision, repeat, Path(tmp)))
+                print(f"repeat {repeat} variant {variant}: step {rows[-1]['step_ms']} ms, compress {rows[-1]['compress_ms']} ms", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{args.name}.csv", FIELDS, rows)
     text = markdown(rows, "python -m experiments.ab_compress " + " ".join(sys.argv[1:] if argv is None else argv))

@@ -21,7 +21,9 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, Sequence
 
 from experiments.common import REPO, RESULTS, pyplot, read_csv, save_figure, write_csv
 from experiments.e2e_analyze import ENGINE_SCHEMES
@@ -83,6 +85,21 @@ def checkout_of(revision: str | None, scratch: Path) -> tuple[Path, str]:
     path = scratch / f"rev_{commit}"
     subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=REPO, check=True, capture_output=True)
     return path, commit
+
+
+@contextmanager
+def checked_out(revisions: Sequence[str | None], scratch: Path) -> Iterator[list[tuple[Path, str]]]:
+    """``checkout_of`` each revision, in order; the worktrees are removed on the way out, also when
+    a later checkout or a run fails."""
+    checkouts: list[tuple[Path, str]] = []
+    try:
+        for revision in revisions:
+            checkouts.append(checkout_of(revision, scratch))
+        yield checkouts
+    finally:
+        for checkout, _ in checkouts:
+            if checkout != REPO:
+                subprocess.run(["git", "worktree", "remove", "--force", str(checkout)], cwd=REPO, capture_output=True)
 
 
 def variant_label(options: str, revision: str) -> str:
@@ -178,19 +195,12 @@ def main(argv: list[str] | None = None) -> None:
         if not isinstance(json.loads(options), dict):
             raise SystemExit(f"{flag} must be a JSON object of SSFusionStrategy keyword arguments, got {options!r}")
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as scratch:
-        variants: list[tuple[str, str, Path, str]] = []
-        try:
-            for variant, options, revision in (("A", args.a, args.a_rev), ("B", args.b, args.b_rev)):
-                variants.append((variant, options, *checkout_of(revision, Path(scratch))))
-            for repeat in range(args.repeats):
-                for variant, options, checkout, revision in variants:
-                    rows += run_variant(args, variant, options, checkout, revision, repeat, Path(scratch))
-                    print(f"repeat {repeat} variant {variant} done", flush=True)
-        finally:
-            for _, _, checkout, _ in variants:
-                if checkout != REPO:
-                    subprocess.run(["git", "worktree", "remove", "--force", str(checkout)], cwd=REPO, capture_output=True)
+    with tempfile.TemporaryDirectory() as scratch, checked_out((args.a_rev, args.b_rev), Path(scratch)) as checkouts:
+        variants = [("A", args.a, *checkouts[0]), ("B", args.b, *checkouts[1])]
+        for repeat in range(args.repeats):
+            for variant, options, checkout, revision in variants:
+                rows += run_variant(args, variant, options, checkout, revision, repeat, Path(scratch))
+                print(f"repeat {repeat} variant {variant} done", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{args.name}.csv", FIELDS, rows)
     write_outputs(rows, args.out, args.name)
