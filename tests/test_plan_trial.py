@@ -99,6 +99,22 @@ def test_dense_competes_with_the_better_sparse_plan():
     assert again.summary() == "sparse 90 ms, one buffer 50 ms, dense 45 ms, sparse again 60 ms a step -> dense"
 
 
+@pytest.mark.parametrize("comm, fusion", [("allgather", "ahead"), ("zen", "ahead"), ("oktopk", "behind")])
+@pytest.mark.parametrize("again, kept", [(0.06, True), (0.058, False)])
+def test_a_fixed_scheme_with_the_trial_sends_dense_where_dense_measured_faster(pool2, comm, fusion, again, kept):
+    """The same trial on a fixed scheme's plan (no modelled fallback of its own): its dense
+    window sends every tensor dense, and dense stays where it measured no slower, on every rank."""
+    medians = {SPARSE: 0.07, DENSE: 0.065, CONFIRM: again}
+    results = pool2.run(train_with_trial, 15, 0.0, medians, comm, fusion)
+    first = results[0]
+    assert first["trial"]["phase"] == DONE and first["dense_measured_faster"] == kept
+    assert [first["all_dense"][step] for step in range(4, 15)] == [False] * 3 + [True] * 3 + [False] * 3 + [kept] * 2
+    for rank, result in enumerate(results):
+        assert result["trial"] == first["trial"] and result["all_dense"] == first["all_dense"]
+        for name, value in result["params"].items():
+            assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
+
+
 def test_sparse_windows_that_drifted_apart_measure_dense_and_sparse_once_more():
     """The host slowed during the second sparse window (0.07 -> 0.095, beyond DRIFT_LIMIT): dense
     (0.068) is measured again beside it, the second sparse window is the one before the new dense
@@ -148,13 +164,17 @@ def test_a_resumed_trial_measures_its_phase_again():
     assert resumed.confirmed_seconds is None and resumed.dense_kept
 
 
-def test_dense_trial_steps_is_an_auto_option_that_needs_the_fallback():
+def test_dense_trial_steps_is_on_for_auto_and_opt_in_for_a_fixed_scheme():
     assert COMMUNICATORS.build("auto").dense_trial_steps == 16
     assert COMMUNICATORS.build("auto", dense_fallback=False, dense_trial_steps=5).dense_trial_steps == 0
     assert COMMUNICATORS.build("allgather").dense_trial_steps == 0
-    for bad in (-1, 2.5, True, "5"):
-        with pytest.raises(ValueError, match=f"dense_trial_steps must be an integer >= 0, got {bad!r}"):
-            COMMUNICATORS.build("auto", dense_trial_steps=bad)
+    assert COMMUNICATORS.build("zen", dense_trial_steps=4).dense_trial_steps == 4
+    for name in ("auto", "allgather", "oktopk"):
+        for bad in (-1, 2.5, True, "5"):
+            with pytest.raises(ValueError, match=f"dense_trial_steps must be an integer >= 0, got {bad!r}"):
+                COMMUNICATORS.build(name, dense_trial_steps=bad)
+    with pytest.raises(ValueError, match="dense_trial_steps must be an integer >= 0, got -1"):
+        COMMUNICATORS.build("auto", dense_fallback=False, dense_trial_steps=-1)
 
 
 def agree_on_rank_dependent_medians() -> float:
@@ -182,17 +202,21 @@ def slow_allreduce_and_floor(floor: float):
         FusionEngine._dense_floor, engine_module.measure_links = original
 
 
-def train_with_trial(steps: int, floor: float, medians: dict[str, float | list[float]] | None = None) -> dict:
-    """comm=auto with a 2-step trial after the 3 profiled rounds (steps 1-3; costs from step 4 on):
-    the sparse phase times steps 4 to 6 (4 left out), the dense phase (where it runs) 7 to 9, the
-    sparse plan again (where dense measured no slower) 10 to 12. ``medians``: each phase's agreed
-    median, scripted (a list: one per time the phase ends; None: measured, and then with no drift
-    check, whose second comparison would outlast the run: the drift's own test scripts it)."""
+def train_with_trial(
+    steps: int, floor: float, medians: dict[str, float | list[float]] | None = None, comm: str = "auto",
+    fusion: str = "ahead",
+) -> dict:
+    """``comm`` and ``fusion`` (auto and ahead by default) with a 2-step trial after the 3 profiled rounds (steps 1-3; costs
+    from step 4 on): the sparse phase times steps 4 to 6 (4 left out), the dense phase (where it
+    runs) 7 to 9, the sparse plan again (where dense measured no slower) 10 to 12. ``medians``: each
+    phase's agreed median, scripted (a list: one per time the phase ends; None: measured, and then
+    with no drift check, whose second comparison would outlast the run: the drift's own test
+    scripts it)."""
     L.seed_everything(0, verbose=False)
     model = Regressor(width=256)
+    comm_options = {"dense_trial_steps": 2, **({"schemes": ["allreduce", "allgather"]} if comm == "auto" else {})}
     strategy = ssf.SSFusionStrategy(
-        sparsifier="topk", density=0.01, fusion="ahead", comm="auto", offload="none",
-        comm_options={"dense_trial_steps": 2, "schemes": ["allreduce", "allgather"]},
+        sparsifier="topk", density=0.01, fusion=fusion, comm=comm, offload="none", comm_options=comm_options
     )
     plans: list[tuple[int, bool]] = []
 

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from ssfusion_lightning.comm.base import COMMUNICATORS, CommContext, Communicator, PendingReduction, Reduced
+from ssfusion_lightning.comm.base import COMMUNICATORS, DENSE, CommContext, Communicator, PendingReduction, Reduced
 from ssfusion_lightning.comm.channels import ChannelSet
 from ssfusion_lightning.comm.schemes import index_bytes
 from ssfusion_lightning.commcost import (
@@ -58,8 +58,6 @@ RUNNER_OPTIONS = {"zen": {"choice": "zen"}}  # auto chooses between zen and spar
 CANDIDATES = SCHEMES + HIERARCHICAL_SCHEMES
 #: a buffer the plan did not assign (a sparse-gradient parameter's): summed exactly by allgather
 UNASSIGNED = "allgather"
-#: the plan's note for a buffer ``dense_fallback`` sends unsparsified
-DENSE = "dense"
 #: above this share of serial CPU (``CostProfile.serial_cpu``) the hierarchical schemes do not compete
 SERIAL_HIERARCHY_LIMIT = 0.5
 #: the schemes that can carry a buffer sent dense
@@ -107,16 +105,15 @@ class AutoCommunicator(Communicator):
     def __init__(
         self, schemes: Sequence[str] = CANDIDATES, dense_fallback: bool = True, dense_trial_steps: int = 16, **options: Any
     ) -> None:
-        super().__init__(**options)
-        if isinstance(schemes, str) or not schemes or any(s not in CANDIDATES for s in schemes):
-            raise ValueError(f"auto communicator: schemes must be a non-empty list of {', '.join(CANDIDATES)}; got {schemes!r}")
         if not isinstance(dense_fallback, bool):
             raise ValueError(f"auto communicator: dense_fallback must be true or false, got {dense_fallback!r}")
+        super().__init__(dense_trial_steps=dense_trial_steps, **options)
+        if not dense_fallback:  # the trial's dense phase is the fallback's: without it, no trial
+            self.dense_trial_steps = 0
+        if isinstance(schemes, str) or not schemes or any(s not in CANDIDATES for s in schemes):
+            raise ValueError(f"auto communicator: schemes must be a non-empty list of {', '.join(CANDIDATES)}; got {schemes!r}")
         self.schemes = tuple(s for s in CANDIDATES if s in schemes)  # one order, whatever order was given
-        if isinstance(dense_trial_steps, bool) or not isinstance(dense_trial_steps, int) or dense_trial_steps < 0:
-            raise ValueError(f"auto communicator: dense_trial_steps must be an integer >= 0, got {dense_trial_steps!r}")
         self.dense_fallback = dense_fallback
-        self.dense_trial_steps = dense_trial_steps if dense_fallback else 0
         self.exact = not any(s.endswith("oktopk") for s in self.schemes)
         self._runners = {s: _runner_for(s) for s in (*self.schemes, UNASSIGNED)}
         self._samples: list[tuple[int, int, float]] = []  # (N, k, K) of exact sums before costs

@@ -17,6 +17,9 @@ from ssfusion_lightning.costmodel import CostProfile
 from ssfusion_lightning.registry import Registry
 from ssfusion_lightning.vocabulary import Buffer, Encoded, Plan
 
+#: the plan's note (``plan.notes["comm"]``) for a buffer sent dense in place of its selections
+DENSE = "dense"
+
 
 @dataclass
 class Reduced:
@@ -79,9 +82,17 @@ class Communicator(ABC):
     #: steps per phase of the engine's measured plan trial (``engine/trial.py``); 0: none
     dense_trial_steps: int = 0
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, dense_trial_steps: int = 0, **options: Any) -> None:
+        """``dense_trial_steps``: time this many steps of the plan, and where the link leaves dense
+        a chance as many sent dense (DDP's buckets, this communicator's dense path), and keep the
+        faster (``engine/trial.py``): a fixed scheme's guard against running slower than DDP on a
+        link fast enough that sparsifying does not pay. 0 (the default): every planned selection is
+        kept."""
         if options:
             raise TypeError(f"communicator {self.name!r} got unknown options {sorted(options)}")
+        if isinstance(dense_trial_steps, bool) or not isinstance(dense_trial_steps, int) or dense_trial_steps < 0:
+            raise ValueError(f"communicator {self.name!r}: dense_trial_steps must be an integer >= 0, got {dense_trial_steps!r}")
+        self.dense_trial_steps = dense_trial_steps
 
     @abstractmethod
     def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:
@@ -91,7 +102,14 @@ class Communicator(ABC):
         """The plan with each buffer's scheme recorded (``Buffer.comm``), for communicators that
         choose per buffer; a pure function of the plan and ``context``, so every rank agrees.
         This one sends every buffer alike: a choice left by another communicator (a plan resumed
-        from a checkpoint of ``auto``) is cleared, so the plan says what is sent."""
+        from a checkpoint of ``auto``) is cleared, so the plan says what is sent. Where the plan
+        trial measured dense faster, every buffer that sparsifies is sent dense instead (noted
+        ``DENSE``, so that the engine re-cuts those runs as DDP's buckets)."""
+        costs = context.costs
+        if self.dense_trial_steps and costs is not None and costs.dense_measured_faster:
+            notes = [DENSE if buffer.sparse_slots else "" for buffer in plan.buffers]
+            buffers = tuple(buffer.densified("") if buffer.sparse_slots else replace(buffer, comm="") for buffer in plan.buffers)
+            return Plan(buffers, {**plan.notes, "comm": notes})
         if not any(buffer.comm for buffer in plan.buffers):
             return plan
         notes = {key: value for key, value in plan.notes.items() if key != "comm"}

@@ -36,8 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet, Communicator, PendingReduction, Reduced
-from ssfusion_lightning.comm.auto import DENSE
-from ssfusion_lightning.comm.base import CommContext
+from ssfusion_lightning.comm.base import DENSE, CommContext
 from ssfusion_lightning.comm.channels import Completed
 from ssfusion_lightning.comm.schemes import SparseSum, accumulation_dtype
 from ssfusion_lightning.commcost import ring_allreduce_bytes
@@ -251,12 +250,13 @@ class FusionEngine:
         self.offloader = Offloader(config.offload, channels.device) if config.offload != "none" else None
         auto_cut = config.buffer_bytes is None and not sparsifier.is_dense
         comm_costs = communicator.needs_costs and not sparsifier.is_dense  # dense buffers have one choice
-        needs_profile = policy.needs_costs or config.offload == "auto" or auto_cut or comm_costs
+        trial_steps = communicator.dense_trial_steps if self.world_size > 1 and not sparsifier.is_dense else 0
+        # the trial weighs its windows against the measured link (``_dense_floor``)
+        needs_profile = policy.needs_costs or config.offload == "auto" or auto_cut or comm_costs or trial_steps > 0
         self._profile_start = max(1, config.warmup_steps)
         self._profile_end = self._profile_start + config.profile_steps if needs_profile else 0
         self._profiler = Profiler(self.names) if needs_profile else None
-        trial_steps = communicator.dense_trial_steps if self.world_size > 1 and not sparsifier.is_dense else 0
-        self._trial = PlanTrial(trial_steps) if trial_steps and needs_profile else None
+        self._trial = PlanTrial(trial_steps) if trial_steps else None
         #: what the memory owed when the trial's dense window began, set aside until it ends
         self._held_owed: list[dict[str, Tensor]] | None = None
         self._step_mark: float | None = None  # where the last round's bookkeeping ended: step times
