@@ -185,6 +185,9 @@ class SSFusionStrategy(DDPStrategy):
             on one machine (e.g. 4 ranks as 2 x 2).
         comm_options, fusion_options, memory_options: constructor options of the named communicator,
             fusion policy and memory (e.g. ``comm_options={"choice": "sparcml"}`` for ``comm="zen"``).
+            Every communicator takes ``dense_trial_steps``: the measured plan trial, which sends
+            the model dense (DDP's buckets) where that measured faster than the plan's selections
+            (16 for ``auto``; 0, off, for a fixed scheme unless its preset turns it on).
         timeout: as DDP's; also bounds every collective of the strategy's own process groups, so a
             dead rank or a cut link fails the step with an error instead of hanging.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,

@@ -162,6 +162,8 @@ def test_preset_yaml_composes_to_the_preset(name):
     assert (cfg.sparsifier.name, cfg.fusion.name, cfg.comm.name) == (preset.sparsifier, preset.fusion, preset.comm)
     expected = {**base_config(), "name": name, "offload": preset.offload, **preset.options}
     assert OmegaConf.to_container(cfg.strategy) == expected
+    group_options = OmegaConf.to_container(compose(f"comm={preset.comm}").comm.options)
+    assert OmegaConf.to_container(cfg.comm.options) == {**group_options, **preset.comm_options}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -189,7 +191,9 @@ def test_readme_table_lists_the_registered_names():
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     table = text.split(opts.BEGIN, 1)[1].split(opts.END, 1)[0].strip().splitlines()[2:]
     rows = {cells[0].strip("`"): cells[1:5] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in table)}
+    trial = {name: kwargs.get("comm_options", {}).get("dense_trial_steps") for name, (_, kwargs) in SYSTEM_PRESETS.items()}
     assert rows == {
-        name: [kwargs["sparsifier"], kwargs["fusion"], kwargs["comm"], kwargs["offload"]]
+        name: [kwargs["sparsifier"], kwargs["fusion"], kwargs["comm"] + (" + dense trial" if trial[name] else ""), kwargs["offload"]]
         for name, (_, kwargs) in SYSTEM_PRESETS.items()
     }
+    assert {name for name, steps in trial.items() if steps} == {"safusion", "adtopk", "zen", "oktopk"}

@@ -165,7 +165,7 @@ def render_base(cls: type = SSFusionStrategy) -> str:
 def preset_differences(preset: Preset) -> dict[str, Any]:
     """The preset's strategy options that differ from the base config."""
     base = config_options()
-    options = {key: value for key, value in preset.kwargs.items() if key not in GROUPS}
+    options = {"offload": preset.offload, **preset.options}
     unknown = sorted(set(options) - set(base))
     if unknown:
         raise ValueError(f"preset options {unknown} are not options of the strategy config")
@@ -188,6 +188,8 @@ def render_preset(name: str) -> str:
         f"  name: {name}",
         *(f"  {key}: {_yaml_value(value)}" for key, value in preset_differences(preset).items()),
     ]
+    if preset.comm_options:
+        lines += ["comm:", "  options:", *(f"    {key}: {_yaml_value(value)}" for key, value in preset.comm_options.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -205,7 +207,7 @@ def presets_table() -> str:
     ]
     for name, preset in PRESETS.items():
         groups = preset.options.get("process_groups", base["process_groups"])
-        rows.append(_row([f"`{name}`", preset.sparsifier, preset.fusion, preset.comm, preset.offload, groups, preset.description]))
+        rows.append(_row([f"`{name}`", preset.sparsifier, preset.fusion, preset.comm_label, preset.offload, groups, preset.description]))
     return "\n".join(rows)
 
 
@@ -213,7 +215,8 @@ def systems_table() -> str:
     """README.md's table: the Lightning strategy names."""
     rows = [_row(["strategy name", "sparsifier", "fusion", "comm", "offload", "what it is"]), _row(["---"] * 6).replace(" ", "")]
     for name, (description, kwargs) in SYSTEM_PRESETS.items():
-        rows.append(_row([f"`{name}`", *(kwargs[key] for key in (*GROUPS, "offload")), description]))
+        preset = PRESETS[name.removesuffix("_spawn")]
+        rows.append(_row([f"`{name}`", kwargs["sparsifier"], kwargs["fusion"], preset.comm_label, kwargs["offload"], description]))
     return "\n".join(rows)
 
 

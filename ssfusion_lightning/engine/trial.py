@@ -1,5 +1,6 @@
 """The measured plan check: time the sparse plan's steps, then the same plan in one buffer, then
-the same model sent dense, and keep the fastest (``comm="auto"``'s ``dense_trial_steps``).
+the same model sent dense, and keep the fastest (a communicator's ``dense_trial_steps``: on by
+default for ``comm="auto"``, opt-in for a fixed scheme, whose plan has no modelled fallback).
 
 Why a dense phase: comm=auto's modelled fallback compares, buffer by buffer, the selection's
 measured line plus the sparse collective against a dense all-reduce of the buffer. It leaves out
