@@ -174,6 +174,7 @@ def test_preset_builds_what_its_kwargs_build(name):
     built = build_strategy(compose(f"strategy={name}")).engine_config()
     direct = SSFusionStrategy(**PRESETS[name].kwargs).engine_config()
     assert {k: v for k, v in built.items() if k not in from_groups} == {k: v for k, v in direct.items() if k not in from_groups}
+    assert PRESETS[name].comm_options.items() <= built["comm_options"].items()
 
 
 def test_the_systems_are_registered_with_lightning():
