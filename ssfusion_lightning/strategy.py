@@ -131,6 +131,15 @@ _OPTION_ATTRIBUTES = {
 }
 
 
+def _norm_clipping(trainer: Any) -> float | None:
+    """The Trainer's gradient clipping where memory='adam' can make it its own: by norm (the
+    default algorithm); None where the Trainer does not clip, or clips by value."""
+    if not trainer.gradient_clip_val:
+        return None
+    algorithm = trainer.gradient_clip_algorithm
+    return float(trainer.gradient_clip_val) if algorithm is None or algorithm == "norm" else None
+
+
 class SSFusionStrategy(DDPStrategy):
     """Data-parallel training with sparsified, fused gradient communication.
 
@@ -145,7 +154,9 @@ class SSFusionStrategy(DDPStrategy):
             0.9 let a language model leave its early plateau with dense training (README). "auto"
             picks by the optimizer once it exists: "dgc" for SGD with momentum and "adam" for
             Adam/AdamW, each keeping 0.9 of the unsent part, else "residual"
-            (``sparsifiers/memory_choice.py``; it takes only ``feedback``).
+            (``sparsifiers/memory_choice.py``; it takes only ``feedback``). With "adam" the
+            Trainer's gradient_clip_val (by norm) becomes the memory's ``clip_norm``, and the
+            Trainer's own clipping is off for the run.
         fusion: buffer/selection policy (see ``available_fusion_policies()``).
         comm: collective (see ``available_communicators()``).
         buffer_mb: "auto" (default) or the cap of a fusion buffer in MiB (a finite number > 0).
@@ -316,6 +327,8 @@ class SSFusionStrategy(DDPStrategy):
         self._module_buffers: list[torch.Tensor] = []
         self._restored_state: dict[str, Any] | None = None
         self._final_engine_state: dict[str, Any] | None = None
+        #: (the Trainer, its gradient_clip_val) where memory='auto' made that clipping the memory's
+        self._taken_clipping: tuple[Any, Any] | None = None
 
     # ------------------------------------------------------------ registration
     @classmethod
@@ -458,7 +471,12 @@ class SSFusionStrategy(DDPStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         if self.engine is not None and self.memory_name == AUTO:
-            choice = choose_memory(self.optimizers, self.memory_options, self._adam_refused(trainer))
+            clip_norm = _norm_clipping(trainer)
+            refused = self._adam_refused(trainer, clipping_taken=clip_norm is not None)
+            choice = choose_memory(self.optimizers, self.memory_options, refused, clip_norm)
+            if "clip_norm" in choice.options:
+                self._taken_clipping = (trainer, trainer.gradient_clip_val)
+                trainer.gradient_clip_val = None
             self.engine.set_memory(MEMORIES.build(choice.name, **choice.options))
             log.info("ssfusion: memory='auto' picked %r with %s (%s)", choice.name, choice.options or "its defaults", choice.reason)
             self._restore_pending_engine_state()
@@ -472,11 +490,12 @@ class SSFusionStrategy(DDPStrategy):
         elif isinstance(memory, AdamMemory):
             self._hand_adam_to(memory, trainer)
 
-    def _adam_refused(self, trainer: Any) -> str | None:
+    def _adam_refused(self, trainer: Any, clipping_taken: bool = False) -> str | None:
         """Why this run cannot take memory='adam' whatever its optimizer (None where it can): what
-        would act on the averaged update instead of the gradient, the Trainer's clipping, a
-        GradScaler, sparse embedding gradients."""
-        if trainer.gradient_clip_val:
+        would act on the averaged update instead of the gradient, the Trainer's clipping (unless
+        ``clipping_taken``: memory='auto' makes it the memory's), a GradScaler, sparse embedding
+        gradients."""
+        if trainer.gradient_clip_val and not clipping_taken:
             return (
                 f"memory='adam' sends Adam updates, so the Trainer's gradient_clip_val={trainer.gradient_clip_val!r} would "
                 "clip the averaged update instead of the gradient; set gradient_clip_val=None and clip each rank's "
@@ -544,6 +563,10 @@ class SSFusionStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._taken_clipping is not None:  # the Trainer's own again, for a later fit or test
+            trainer, value = self._taken_clipping
+            trainer.gradient_clip_val = value
+            self._taken_clipping = None
         if self.engine is not None:
             # trainer.save_checkpoint() after fit() must still carry every rank's engine state
             self._final_engine_state = self.engine.state_dict()

@@ -62,6 +62,16 @@ def test_a_run_adam_refuses_takes_residual_with_the_refusal_as_reason():
     assert choice.name == "residual" and "the Trainer clips" in choice.reason
 
 
+def test_the_trainers_norm_clipping_becomes_adams_own():
+    choice = choose_memory([optimizer("adamw")], {}, clip_norm=0.5)
+    assert choice.name == "adam" and choice.options == {"feedback": AUTO_FEEDBACK, "clip_norm": 0.5}
+    assert "gradient_clip_val=0.5 now clips each rank's gradient" in choice.reason
+    # only adam takes it: momentum correction keeps the Trainer's clipping of the summed gradient
+    assert choose_memory([optimizer("sgd", momentum=0.9)], {}, clip_norm=0.5).options == {"feedback": AUTO_FEEDBACK}
+    refused = choose_memory([optimizer("adamw")], {}, adam_refused="a GradScaler", clip_norm=0.5)
+    assert refused.name == "residual" and refused.options == {}
+
+
 def test_a_given_feedback_is_used_as_given():
     assert choose_memory([optimizer("sgd", momentum=0.9)], {"feedback": 0.95}).options == {"feedback": 0.95}
     assert choose_memory([optimizer("sgd")], {"feedback": 0.95}).options == {"feedback": 0.95}
@@ -107,3 +117,48 @@ def test_auto_trains_exactly_as_the_memory_it_picks(pool2, optimizer_kind, memor
         for name in auto[0]:
             assert torch.equal(auto[0][name], named[0][name]), name
             assert torch.equal(auto[0][name], first[name]), f"{name} differs between ranks"
+
+
+def auto_with_the_trainers_clipping(algorithm: str) -> dict:
+    """6 steps of AdamW with the Trainer clipping at 0.5 by ``algorithm``, memory='auto'; for "norm"
+    also the run that names what auto should make of it: memory='adam' clipping at 0.5 itself."""
+
+    def run(clip: dict, **memory) -> dict:
+        L.seed_everything(0, verbose=False)
+        model = Regressor(optimizer="adamw", lr=0.01)
+        strategy = ssf.SSFusionStrategy(sparsifier="topk", density=0.05, fusion="ahead", comm="allgather", offload="none", **memory)
+        seen: dict = {}
+
+        class During(L.Callback):
+            def on_train_end(self, trainer, module):
+                seen.update(memory=strategy.engine.memory, clip=trainer.gradient_clip_val)
+
+        trainer = make_trainer(strategy, 6, callbacks=[During()], **clip)
+        trainer.fit(model, DataLoader(regression_data(), batch_size=16))
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        memory_state = seen["memory"]
+        return {
+            "params": params, "memory": type(memory_state).__name__, "clip_norm": getattr(memory_state, "clip_norm", None),
+            "clip_during": seen["clip"], "clip_after": trainer.gradient_clip_val,
+        }
+
+    clipped = {"gradient_clip_val": 0.5, "gradient_clip_algorithm": algorithm}
+    auto = run(clipped, memory="auto")
+    if algorithm != "norm":
+        return {"auto": auto}
+    return {"auto": auto, "named": run({}, memory="adam", memory_options={"feedback": AUTO_FEEDBACK, "clip_norm": 0.5})}
+
+
+def test_auto_makes_the_trainers_norm_clipping_adams_and_trains_as_that_run(pool2):
+    for result in pool2.run(auto_with_the_trainers_clipping, "norm"):
+        auto, named = result["auto"], result["named"]
+        assert (auto["memory"], auto["clip_norm"]) == (named["memory"], named["clip_norm"]) == ("AdamMemory", 0.5)
+        assert auto["clip_during"] is None and auto["clip_after"] == 0.5  # off for the run, the Trainer's again after
+        for name in auto["params"]:
+            assert torch.equal(auto["params"][name], named["params"][name]), name
+
+
+def test_clipping_by_value_keeps_the_trainers_and_takes_residual(pool2):
+    for result in pool2.run(auto_with_the_trainers_clipping, "value"):
+        auto = result["auto"]
+        assert auto["memory"] == "ResidualMemory" and auto["clip_during"] == auto["clip_after"] == 0.5
