@@ -18,6 +18,7 @@ from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
 from ssfusion_lightning.costmodel import CostProfile
 from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
 from ssfusion_lightning.fusion import FUSION_POLICIES, PlanContext
+from ssfusion_lightning.fusion.budget import reduced_counts, within_budget
 from ssfusion_lightning.sparsifiers import build_memory, build_sparsifier
 from ssfusion_lightning.sparsifiers.schedule import DensityWarmup
 from ssfusion_lightning.vocabulary import ParamSpec
@@ -101,13 +102,53 @@ def _plan(policy: str, sizes: list[int], density: float, sparsifier: str = "topk
     density=st.sampled_from([0.1, 0.01, 0.001]),
 )
 def test_every_policy_plans_the_requested_density_of_its_sparse_tensors(policy, sizes, density):
-    plan = _plan(policy, sizes, density)
+    sparsifier = build_sparsifier("topk", density=density)
+    plan = within_budget(_plan(policy, sizes, density), sparsifier)
     sparse = [slot for buffer in plan.buffers for slot in buffer.sparse_slots]
     asked = density * sum(slot.numel for slot in sparse)
     planned = sum(slot.k for slot in sparse)
-    # k = max(1, floor(density * n)) per tensor (behind selects their sum from the fused buffer):
-    # within one element of density * n each
-    assert abs(planned - asked) <= max(0.1 * asked, len(sparse)), (planned, asked)
+    # never more than asked (rounded), unless every tensor's one element is already more
+    assert planned <= max(len(sparse), round(asked)), (planned, asked)
+    # k = max(1, floor(density * n)) per tensor before the budget: under by less than one element each
+    assert planned > asked - len(sparse) or planned == len(sparse), (planned, asked)
+    assert all(1 <= slot.k <= slot.numel for slot in sparse)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ks_numels=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 4000)), min_size=1, max_size=60),
+    density=st.sampled_from([0.1, 0.01, 0.001, 0.0001]),
+)
+def test_the_budget_takes_back_exactly_the_excess(ks_numels, density):
+    ks = [k for k, _ in ks_numels]
+    numel = sum(n for _, n in ks_numels)
+    budget = max(len(ks), round(density * numel))
+    out = reduced_counts(ks, numel, density)
+    assert len(out) == len(ks) and all(1 <= new <= old for new, old in zip(out, ks))
+    if sum(ks) <= budget:
+        assert out == ks  # a plan within its budget is left as it is
+    else:
+        assert sum(out) == budget
+        # shared in proportion to k - 1: no tensor gives up more than its share rounded up
+        excess, spare = sum(ks) - budget, sum(k - 1 for k in ks)
+        assert all(old - new <= math.ceil(excess * (old - 1) / spare) for new, old in zip(out, ks))
+
+
+def test_small_tensors_no_longer_raise_the_plan_above_its_density():
+    # the digits CNN's shape of the problem: a large tensor and many below 1 / density
+    sizes = [32768] + [512] * 17
+    sparsifier = build_sparsifier("topk", density=0.001)
+    before = _plan("ahead", sizes, 0.001)
+    after = within_budget(before, sparsifier)
+    assert sum(slot.k for b in before.buffers for slot in b.sparse_slots) == 32 + 17  # 18% over 41.5
+    assert sum(slot.k for b in after.buffers for slot in b.sparse_slots) == 41
+    assert [slot.k for b in after.buffers for slot in b.slots][1:] == [1] * 17  # the small ones keep one each
+    # ADTopk sends at least one element a row of a matrix: those counts are left as they are
+    adtopk = build_sparsifier("adtopk", density=0.001)
+    specs = [(0, ParamSpec("w", (64, 64), torch.float32))] + [(i, ParamSpec(f"b{i}", (64,), torch.float32)) for i in range(1, 21)]
+    plan = FUSION_POLICIES.build("ahead").plan(specs, PlanContext(adtopk, 64 * 1024, 2, 4, CostProfile(world_size=4)))
+    assert sum(slot.k for b in plan.buffers for slot in b.sparse_slots) > 0.001 * 64 * 84
+    assert within_budget(plan, adtopk) == plan
 
 
 # --------------------------------------------------------------------------- the engine on 2 ranks
@@ -168,6 +209,34 @@ def test_every_policy_sends_the_requested_density(pool2):
             assert requested == 0.02
             assert 0.9 * requested <= effective <= 1.1 * requested, (key, effective)
             assert selected > 0
+
+
+class ManySmall(nn.Module):
+    """One tensor of 32,768 elements and 17 of 512: at density 0.1% each small one's single element
+    is twice what it asks for, and together they would raise the plan 18% above its density."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 512)
+        self.norms = nn.Sequential(*[nn.LayerNorm(512) for _ in range(8)])
+
+    def forward(self, x):
+        return self.norms(self.fc(x))
+
+
+def small_tensors_run(fusion, sparsifier):
+    torch.manual_seed(0)
+    model = ManySmall()
+    return _rounds(_engine(model, fusion, sparsifier, 0.001), model, 3)
+
+
+@pytest.mark.parametrize(("fusion", "sparsifier"), [("selective", "topk"), ("ahead", "dgc"), ("layerwise", "topk")])
+def test_small_tensors_do_not_raise_what_the_engine_sends(pool2, fusion, sparsifier):
+    for rounds in pool2.run(small_tensors_run, fusion, sparsifier):
+        for requested, effective, selected, ks, _ in rounds[1:]:
+            assert ks == 41  # round(0.001 * 41,472), each small tensor one element
+            assert 0.9 * requested <= effective <= 1.1 * requested, effective
+            assert selected <= ks
 
 
 def warmup_run(fusion, sparsifier, comm, memory):

@@ -59,6 +59,7 @@ from ssfusion_lightning.engine.trial import DENSE as DENSE_PHASE
 from ssfusion_lightning.engine.trial import FUSED, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
+from ssfusion_lightning.fusion.budget import within_budget
 from ssfusion_lightning.fusion.cut import recut_dense_runs
 from ssfusion_lightning.host_cores import every_rank_lacks_spare_core, gather_cores
 from ssfusion_lightning.sparsifiers import Memory, Sparsifier
@@ -273,7 +274,8 @@ class FusionEngine:
         ]
 
     def _build_plan(self, order: Sequence[int], costs: Any = None) -> Plan:
-        """The policy's plan for ``order`` and ``costs`` at the sparsifier's density. The last few are
+        """The policy's plan for ``order`` and ``costs`` at the sparsifier's density, its sparse
+        tensors sending no more than that density in all (``fusion/budget.py``). The last few are
         kept: the plan trial asks again for plans built before, and the cost cut's program takes about
         23 ms of a rank's CPU for 62 tensors (about 90 ms of the step where 4 ranks share 2 cores)."""
         key = (tuple(order), costs, self.sparsifier.density, self.config)
@@ -283,7 +285,7 @@ class FusionEngine:
         ctx = PlanContext(
             self.sparsifier, self.config.buffer_bytes, len(self.channels), self.world_size, costs, self.config.first_buffer_bytes
         )
-        plan = self.policy.plan(self.specs(order), ctx).sending_dense(self._sent_dense)
+        plan = within_budget(self.policy.plan(self.specs(order), ctx).sending_dense(self._sent_dense), self.sparsifier)
         self._built_plans = [(key, plan), *self._built_plans[: PLANS_KEPT - 1]]
         return plan
 
