@@ -5,9 +5,9 @@ smaller than 1 / density still sends one, or error feedback would hold its gradi
 model with many small tensors that floor adds up: at density 0.1% the digits CNN's 51 sparse tensors
 sent 0.116% of their elements and the byte-level LM's 28 sent 0.111% (experiments/REPORT.md, "The
 plan sends the density it asks for"). ``within_budget`` takes that excess back from the tensors
-that send more than one element, in proportion to what each sends, so that the plan's sparse tensors
-send round(density * their elements) in all, and every tensor still sends at least one. A plan at or
-under that budget is left as it is.
+that send more than one element, in proportion to what each sends above one, so that the plan's sparse
+tensors send round(density * their elements) in all, and every tensor still sends at least one. A plan
+at or under that budget is left as it is (the floors leave it under by less than one element a tensor).
 """
 
 from __future__ import annotations
