@@ -864,3 +864,21 @@ def test_sparse_adamw_update_applies_the_top_of_update_plus_residual_and_keeps_t
     param.grad = torch.zeros(8)
     opt.step()  # a zero gradient still moves the residual's largest coordinates: nothing is lost
     assert int((param.detach() != before).sum()) == 2
+
+
+def test_dense_path_bench_times_ddp_and_the_dense_engine_on_the_same_gradients(tmp_path):
+    """Two ranks, each with a DDP copy and an engine copy of a small workload: the engine's dense path
+    writes DDP's gradients to the bit (the harness checks it after the timed blocks), and each
+    workload gets its ratios."""
+    from experiments import dense_path_cpu
+
+    assert dense_path_cpu.main(["--quick", "--workloads", "resnet18", "gpt2", "--warmup", "3", "--steps", "2",
+                                "--blocks", "2", "--name", "dense_path", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "dense_path.json").read_text())["results"]
+    assert set(results) == {"resnet18", "gpt2"}
+    for name, result in results.items():
+        assert result["equal"], name
+        assert result["buffers"] >= 1
+        for ddp_ms, engine_ms, ratio in result["cells"]:
+            assert ddp_ms > 0 and engine_ms > 0 and ratio > 0, (name, result["cells"])
+    assert "| gpt2 |" in (tmp_path / "dense_path.md").read_text()
