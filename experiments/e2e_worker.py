@@ -179,6 +179,32 @@ def _lockstep_hook(state, bucket):
     return _noop_hook(state, bucket)
 
 
+def register_ddp_hook(model: torch.nn.parallel.DistributedDataParallel, hook: str, powersgd_rank: int = 1):
+    """Registers ``hook`` (fp16, powersgd, noop, lockstep) on a DDP model; returns the serialized
+    PowerSGD hook, whose worker thread its owner shuts down, else None."""
+    if hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=2,  # the minimum with error feedback (default 1000: plain allreduce)
+            min_compression_rate=2,
+            use_error_feedback=True,
+            warm_start=True,
+        )
+        wrapped = serialized(powerSGD_hook.powerSGD_hook)
+        model.register_comm_hook(state, wrapped)
+        return wrapped
+    elif hook == "noop":
+        model.register_comm_hook(None, _noop_hook)
+    elif hook == "lockstep":
+        model.register_comm_hook(None, _lockstep_hook)
+    else:
+        raise ValueError(f"unknown DDP hook {hook!r}; valid choices: fp16, powersgd, noop, lockstep")
+    return None
+
+
 class HookedDDP(DDPStrategy):
     """Lightning's DDPStrategy with a DDP comm hook registered on CPU too (Lightning only does it on CUDA)."""
 
@@ -192,23 +218,7 @@ class HookedDDP(DDPStrategy):
 
     def configure_ddp(self) -> None:
         super().configure_ddp()
-        if self.hook == "fp16":
-            self.model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif self.hook == "powersgd":
-            state = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=self.powersgd_rank,
-                start_powerSGD_iter=2,  # the minimum with error feedback (default 1000: plain allreduce)
-                min_compression_rate=2,
-                use_error_feedback=True,
-                warm_start=True,
-            )
-            self._hook_fn = serialized(powerSGD_hook.powerSGD_hook)
-            self.model.register_comm_hook(state, self._hook_fn)
-        elif self.hook == "noop":
-            self.model.register_comm_hook(None, _noop_hook)
-        elif self.hook == "lockstep":
-            self.model.register_comm_hook(None, _lockstep_hook)
+        self._hook_fn = register_ddp_hook(self.model, self.hook, self.powersgd_rank)
 
     def teardown(self) -> None:
         if self._hook_fn is not None:

@@ -866,19 +866,33 @@ def test_sparse_adamw_update_applies_the_top_of_update_plus_residual_and_keeps_t
     assert int((param.detach() != before).sum()) == 2
 
 
-def test_dense_path_bench_times_ddp_and_the_dense_engine_on_the_same_gradients(tmp_path):
-    """Two ranks, each with a DDP copy and an engine copy of a small workload: the engine's dense path
-    writes DDP's gradients to the bit (the harness checks it after the timed blocks), and each
-    workload gets its ratios."""
-    from experiments import dense_path_cpu
 
-    assert dense_path_cpu.main(["--quick", "--workloads", "resnet18", "gpt2", "--warmup", "3", "--steps", "2",
-                                "--blocks", "2", "--name", "dense_path", "--out", str(tmp_path)]) == 0
-    results = json.loads((tmp_path / "dense_path.json").read_text())["results"]
-    assert set(results) == {"resnet18", "gpt2"}
-    for name, result in results.items():
-        assert result["equal"], name
-        assert result["buffers"] >= 1
-        for ddp_ms, engine_ms, ratio in result["cells"]:
-            assert ddp_ms > 0 and engine_ms > 0 and ratio > 0, (name, result["cells"])
-    assert "| gpt2 |" in (tmp_path / "dense_path.md").read_text()
+def test_side_by_side_times_schemes_in_the_same_ranks_and_checks_the_dense_path(tmp_path):
+    """Two ranks, each with a copy of a small workload per scheme: the engine's dense path writes DDP's
+    gradients to the bit (the harness checks it after the timed blocks), and every scheme gets its row."""
+    from experiments import side_by_side
+
+    schemes = ["ddp", "ssfusion_dense", "compute_only", "ssfusion"]
+    assert side_by_side.main(["--quick", "--schemes", *schemes, "--workloads", "resnet18", "gpt2", "--warmup", "3",
+                              "--steps", "2", "--blocks", "2", "--name", "side", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "side.json").read_text())
+    assert saved["equal"] == {"none resnet18": True, "none gpt2": True}
+    for cell, rows in saved["results"].items():
+        assert list(rows) == schemes, cell
+        assert rows["ddp"]["wall_x_ddp"] == 1.0
+        for scheme, row in rows.items():
+            assert row["wall_ms"] > 0 and row["proc_ms"] > 0 and row["wall_x_ddp"] > 0, (cell, scheme)
+        assert rows["ssfusion"]["buffers"] >= 1 and rows["ssfusion"]["compress_ms"] >= 0
+    assert "| none | gpt2 | ssfusion |" in (tmp_path / "side.md").read_text()
+
+
+def test_side_by_side_overlap_targets_mark_what_is_met_and_skip_cells_without_the_baselines():
+    from experiments.side_by_side import overlap_targets
+
+    mine = {"wall_x_compute_only": 1.05, "wall_x_powersgd": 0.98, "exposed_share": 0.08, "proc_x_compute_only": 1.2}
+    rows = overlap_targets({
+        ("40mbit", "gpt2"): {"compute_only": {}, "ddp_powersgd": {}, "ssfusion": mine},
+        ("40mbit", "resnet18"): {"compute_only": {}, "ssfusion": mine},  # no PowerSGD: no row
+    })
+    assert rows[2:] == ["| 40mbit | gpt2 | **0.95** | 0.98 | **0.08** | 1.20 |"]
+    assert overlap_targets({("40mbit", "gpt2"): {"compute_only": {}, "ssfusion": mine}}) == []
