@@ -17,7 +17,9 @@ communication; ``compute_sync``: the same plus one 1-element all-reduce a step, 
 or an engine scheme of experiments/e2e_worker.py (``ssfusion``, ``ssfusion_dense`` = sparsifier none,
 ``safusion``, ...) built as ``SSFusionStrategy`` builds its engine, outside Lightning. A step is what
 Lightning's loop does for each: the module buffers' broadcast before the forward (where the scheme
-broadcasts them), zero_grad, forward, backward, the engine's ``finish``, the optimizer's step.
+broadcasts them), zero_grad, forward, backward, the engine's ``finish``, the optimizer's step. Each
+rank trains every copy on one fixed batch of its own (the workload's first, shuffled by rank), so the
+schemes' steps differ only in how they exchange gradients.
 
 Per step it records the wall time, the main thread's CPU and the process's CPU (gloo's and the
 engine's threads included), and for engine schemes the engine's compression and exposed
@@ -116,18 +118,20 @@ class Runner:
 
     def step(self) -> Any:
         """One training step; an engine scheme's metrics of it (None for DDP's)."""
-        metrics = None
         if self.buffers:  # what the strategy broadcasts before a training forward, as DDP does
             dist._broadcast_coalesced(dist.group.WORLD, self.buffers, 250 * 1024 * 1024, 0)
+        metrics = self.exchange()
+        self.optimizer.step()
+        return metrics
+
+    def exchange(self) -> Any:
+        """Forward, backward and the gradient exchange: the synchronized gradients in ``.grad``."""
         self.optimizer.zero_grad(set_to_none=True)
         loss = _loss(self.kind, self.model, self.batch)
         if self.engine is not None:
             self.engine.begin_backward()
         loss.backward()
-        if self.engine is not None:
-            metrics = self.engine.finish()
-        self.optimizer.step()
-        return metrics
+        return self.engine.finish() if self.engine is not None else None
 
     def grads(self) -> list[torch.Tensor]:
         module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
@@ -166,13 +170,7 @@ def _same_gradients(runners: dict[str, Runner], rank: int) -> bool | None:
     grads = []
     for runner in (ddp, dense):
         torch.manual_seed(1000 + rank)
-        runner.optimizer.zero_grad(set_to_none=True)
-        loss = _loss(runner.kind, runner.model, runner.batch)
-        if runner.engine is not None:
-            runner.engine.begin_backward()
-        loss.backward()
-        if runner.engine is not None:
-            runner.engine.finish()
+        runner.exchange()
         grads.append(runner.grads())
     return all(torch.equal(a, b) for a, b in zip(*grads))
 
