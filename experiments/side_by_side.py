@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from experiments.common import RESULTS, free_port, publish_md, pyplot, save_figure
 from experiments.e2e_worker import ENGINE_SCHEMES, POWERSGD_RANKS, build_workload, register_ddp_hook
+from ssfusion_lightning.data.sequences import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
 DDP_HOOKS = {"compute_only": "noop", "compute_sync": "lockstep", "ddp": None, **{name: "powersgd" for name in POWERSGD_RANKS}}
@@ -62,7 +63,7 @@ def _loss(kind: str, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Te
     inputs, targets = batch
     out = model(inputs)
     if kind == "lm":
-        return F.cross_entropy(out.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return F.cross_entropy(out.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
     return F.cross_entropy(out, targets)
 
 
@@ -270,18 +271,18 @@ def summarize(by_rank: dict[int, Any], name: str, schemes: list[str]) -> dict[st
     first = schemes[0]
     out: dict[str, Any] = {}
     for scheme in schemes:
-        def ms(field: str, s: str = scheme) -> float:
-            return _over_ranks(by_rank, name, lambda x: statistics.median(r[field] for b in x[s] for r in b)) * 1e3
+        def median(field: str, s: str = scheme) -> float:
+            return _over_ranks(by_rank, name, lambda x: statistics.median(r[field] for b in x[s] for r in b))
 
-        row = {"wall_ms": ms("wall"), "cpu_ms": ms("cpu"), "proc_ms": ms("proc")}
+        row = {"wall_ms": median("wall") * 1e3, "cpu_ms": median("cpu") * 1e3, "proc_ms": median("proc") * 1e3}
         for field in ("wall", "cpu", "proc"):
             row[f"{field}_x_{first}"] = _over_ranks(by_rank, name, lambda x, f=field, s=scheme: _pair_ratio(x, f, s, first))
         if scheme in ENGINE_SCHEMES and "ddp_powersgd" in schemes:
             # PowerSGD rank 1's step over this scheme's, per block pair (above 1: this scheme is faster)
             row["wall_x_powersgd"] = _over_ranks(by_rank, name, lambda x, s=scheme: _pair_ratio(x, "wall", "ddp_powersgd", s))
         if scheme in ENGINE_SCHEMES:
-            row.update(compress_ms=ms("compress"), exposed_ms=ms("exposed"), sparse=ms("sparse") / 1e3,
-                       buffers=ms("buffers") / 1e3)
+            row.update(compress_ms=median("compress") * 1e3, exposed_ms=median("exposed") * 1e3,
+                       sparse=median("sparse"), buffers=median("buffers"))
             row["exposed_share"] = (row["compress_ms"] + row["exposed_ms"]) / row["wall_ms"]
         out[scheme] = row
     return out
