@@ -115,6 +115,7 @@ class Runner:
                                  "run it through experiments.bench_e2e")
             self.model = module
             self.engine = _engine_for(module, options)
+            self.handoff = options.get("ddp_handoff", True)
             self.buffers = [b for b in module.buffers() if b.numel() > 0]
 
     def step(self) -> Any:
@@ -129,10 +130,20 @@ class Runner:
         """Forward, backward and the gradient exchange: the synchronized gradients in ``.grad``."""
         self.optimizer.zero_grad(set_to_none=True)
         loss = _loss(self.kind, self.model, self.batch)
-        if self.engine is not None:
-            self.engine.begin_backward()
+        if self.engine is None:
+            loss.backward()
+            return None
+        self.engine.begin_backward()
         loss.backward()
-        return self.engine.finish() if self.engine is not None else None
+        if isinstance(self.model, DistributedDataParallel):
+            return self.engine.handed_off_step()
+        metrics = self.engine.finish()
+        if self.handoff and self.engine.settled_dense:
+            # as SSFusionStrategy hands off: DDP's reducer on the engine's first group from the next step
+            self.engine.hand_off()
+            self.model = DistributedDataParallel(self.model, process_group=self.engine.channels[0].group)
+            self.buffers = []  # DDP's forward broadcasts them
+        return metrics
 
     def grads(self) -> list[torch.Tensor]:
         module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model

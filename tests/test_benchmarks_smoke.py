@@ -880,8 +880,42 @@ def test_side_by_side_times_schemes_in_the_same_ranks_and_checks_the_dense_path(
         assert list(rows) == schemes, cell
         for scheme, row in rows.items():
             assert row["wall_ms"] > 0 and row["proc_ms"] > 0 and row["wall_x_ddp"] > 0, (cell, scheme)
-        assert rows["ssfusion"]["buffers"] >= 1 and rows["ssfusion"]["compress_ms"] >= 0
+        # ssfusion_dense keeps its own rounds; ssfusion may hand its steps to DDP's reducer on loopback
+        assert rows["ssfusion_dense"]["buffers"] >= 1 and rows["ssfusion"]["compress_ms"] >= 0
     assert "| none | gpt2 | ssfusion |" in (tmp_path / "side.md").read_text()
+    from experiments import glance
+
+    assert glance.main(["side", "--out", str(tmp_path), "--no-report"]) == 0
+    table = (tmp_path / "glance.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| 2 | unshaped | gpt2 |"))
+    assert row.count("/2)") == 2 and row.endswith("| side |")  # x DDP and x compute-only, two block pairs each
+    assert (tmp_path / "glance.png").stat().st_size > 0
+
+
+def test_glance_pairs_each_block_with_its_partner_and_counts_the_faster_pairs():
+    """Two ranks, three block pairs: per pair the median over ranks of the baseline's block median over
+    ssfusion's; the cell is their median, with the pairs ssfusion won."""
+    from experiments import glance
+
+    def blocks(*walls):
+        return [[{"wall": w}, {"wall": w}, {"wall": 9.0 * w}] for w in walls]  # a block's median ignores the outlier
+
+    by_rank = {
+        "0": {"gpt2": {"samples": {"ssfusion": blocks(1.0, 1.0, 2.0), "ddp": blocks(2.0, 0.5, 3.0)}}},
+        "1": {"gpt2": {"samples": {"ssfusion": blocks(1.0, 1.0, 2.0), "ddp": blocks(4.0, 0.5, 3.0)}}},
+    }
+    assert glance.pair_speeds(by_rank, "gpt2", "ddp") == [3.0, 0.5, 1.5]
+    row = {"world": 2, "link": "40mbit", "workload": "gpt2", "launch": "x", "speed": {"ddp": (1.5, 2, 3)}}
+    assert "| 2 | 40mbit | gpt2 | 1.50 (2/3) | - | - | - | x |" in glance.markdown([row])
+
+
+@pytest.mark.skipif(common.report_section("glance") is None, reason="no glance block in REPORT.md")
+def test_report_glance_block_comes_from_the_committed_launches():
+    from experiments import glance
+
+    command = common.report_section("glance").split("`")[1]
+    names = command.split("python -m experiments.glance ")[1].split()
+    assert common.report_section("glance") == glance.block(names, glance.cells(names)).strip()
 
 
 def test_side_by_side_overlap_targets_mark_what_is_met_and_skip_cells_without_the_baselines():

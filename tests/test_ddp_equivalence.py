@@ -17,7 +17,9 @@ def run_pair(kind: str, ddp_name: str, engine_kwargs: dict, **trainer_kwargs):
     return reference, ours
 
 
-DENSE = dict(sparsifier="none", fusion="ahead", comm="allreduce", offload="none", process_groups=1)
+# ddp_handoff off: these tests are about the engine's own dense rounds (with it on, DDP's reducer
+# would take every step after the first)
+DENSE = dict(sparsifier="none", fusion="ahead", comm="allreduce", offload="none", process_groups=1, ddp_handoff=False)
 
 
 def assert_bitwise_equal(results):
@@ -54,6 +56,51 @@ def test_dense_engine_with_a_small_first_buffer_equals_ddp_on_2_ranks(pool2):
     must still match bit for bit."""
     engine_kwargs = dict(DENSE, first_buffer_mb=512 / 2**20, buffer_mb=4096 / 2**20)
     assert_bitwise_equal(pool2.run(run_pair, "plain", "ddp", engine_kwargs))
+
+
+def fit_with_handoff(kind: str, ddp_name: str, engine_kwargs: dict, **trainer_kwargs):
+    """DDP's parameters, the engine's with the hand-off on, and per step whether DDP's reducer ran it."""
+    import lightning as L
+
+    from tests.workloads import Regressor, make_trainer, regression_data
+
+    reference = fit_and_get_params(ddp_name, kind=kind, **trainer_kwargs)
+    strategy = ssf.SSFusionStrategy(**engine_kwargs)
+    handed: list[bool] = []
+
+    class Watch(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            handed.append(trainer.strategy.handed_off)
+
+    L.seed_everything(0, verbose=False)
+    model = Regressor(kind)
+    make_trainer(strategy, 6, callbacks=[Watch()], **trainer_kwargs).fit(
+        model, torch.utils.data.DataLoader(regression_data(), batch_size=16)
+    )
+    ours = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return (reference, ours), handed, strategy.handed_off, strategy.last_metrics
+
+
+@pytest.mark.parametrize(
+    "kind, ddp_name, trainer_kwargs",
+    [("plain", "ddp", {}), ("plain", "ddp", {"accumulate_grad_batches": 2}), ("batchnorm", "ddp", {}),
+     ("unused_on_one_rank", "ddp_find_unused_parameters_true", {})],
+    ids=["plain", "accumulate2", "batchnorm", "unused_on_one_rank"],
+)
+def test_a_plan_dense_for_good_hands_the_gradients_to_ddps_reducer(pool2, kind, ddp_name, trainer_kwargs):
+    """sparsifier none: once the first round has rebuilt the plan from the ready order nothing can change
+    it, so from the next batch on DDP's reducer synchronizes (accumulation through its no_sync, unused
+    parameters through its own search) and the run still ends on DDP's parameters, to the bit. After
+    fit the model is unwrapped again."""
+    engine_kwargs = dict(DENSE, ddp_handoff=True, find_unused_parameters=ddp_name.endswith("true"))
+    out = pool2.run(fit_with_handoff, kind, ddp_name, engine_kwargs, **trainer_kwargs)
+    assert_bitwise_equal([pair for pair, _, _, _ in out])
+    per_step = 2 if trainer_kwargs.get("accumulate_grad_batches") else 1
+    for _, handed, after_fit, metrics in out:
+        # the first synchronized round is the engine's; every later batch runs under DDP
+        assert handed == [False] * per_step + [True] * (len(handed) - per_step)
+        assert not after_fit
+        assert metrics.dense_tensors > 0 and metrics.bytes_sent == metrics.dense_equivalent_bytes > 0
 
 
 def every_policy_and_communicator_at_full_density():

@@ -37,6 +37,8 @@ CONFIGS = {
     "dgc-memory": dict(sparsifier="topk", fusion="ahead", comm="allgather", density=0.05, memory="dgc", offload="none"),
     "dense": dict(sparsifier="none", offload="none"),
 }
+# the engine's own memory: a plan dense for good would hand its rounds (and free its buffers) to DDP's reducer
+CONFIGS = {name: dict(kwargs, ddp_handoff=False) for name, kwargs in CONFIGS.items()}
 
 
 class Wide(L.LightningModule):

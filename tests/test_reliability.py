@@ -73,7 +73,17 @@ def test_nan_in_a_dense_only_step_raises_on_every_rank_without_a_vote(pool2):
     assert "this rank's own were finite" in messages[0] and "this rank's own were non-finite" in messages[1]
 
 
-@pytest.mark.parametrize("options", [SPARSE, DENSE], ids=["sparse", "dense"])
+#: dense for good from the first round on: DDP's reducer runs step 2, the engine checks its sums
+HANDED_OFF = dict(sparsifier="none", fusion="ahead", comm="allreduce", offload="none")
+
+
+def test_nan_after_the_hand_off_to_ddp_raises_on_every_rank(pool2):
+    messages = [message for outcome, message in pool2.run(nonfinite_run, "raise", HANDED_OFF) if outcome == "raised"]
+    assert len(messages) == 2, "a rank went on training past the NaN"
+    assert all("non-finite (NaN/Inf) gradient at step 2 in the all-reduced dense gradients" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("options", [SPARSE, DENSE, HANDED_OFF], ids=["sparse", "dense", "handed-off"])
 def test_nan_on_one_rank_is_skipped_by_every_rank(pool2, options):
     results = pool2.run(nonfinite_run, "skip", options)
     (o0, (p0, finite0, skipped0, step0)), (o1, (p1, finite1, skipped1, step1)) = results

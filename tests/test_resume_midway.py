@@ -62,6 +62,9 @@ CASES = {
     "mid-second-epoch-dgc-aligned-thread-offload": (dict(sparsifier="dgc", fusion="aligned", comm="hybrid", offload="thread"), 11, 16, 1),
     "mid-accumulation-randomk-behind-allreduce": (dict(sparsifier="randomk", fusion="behind", comm="allreduce"), 7, 8, 2),
     "mid-accumulation-threshold-reuse-aligned-oktopk": (dict(sparsifier="threshold_reuse", fusion="aligned", comm="oktopk"), 7, 8, 2),
+    # saved while DDP's reducer runs the steps: the resumed run takes one engine round, then hands off again
+    "mid-epoch-handed-off-to-ddp": (dict(sparsifier="none", fusion="ahead", comm="allreduce"), 5, 12, 1),
+    "mid-accumulation-handed-off-to-ddp": (dict(sparsifier="none", fusion="ahead", comm="allreduce"), 7, 8, 2),
 }
 
 

@@ -56,7 +56,7 @@ from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
 from ssfusion_lightning.engine.round import Round
 from ssfusion_lightning.engine.trial import DENSE as DENSE_PHASE
-from ssfusion_lightning.engine.trial import FUSED, SPARSE, PlanTrial
+from ssfusion_lightning.engine.trial import DONE, FUSED, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.fusion.budget import within_budget
@@ -755,6 +755,68 @@ class FusionEngine:
         else:
             self._new_round()
         self._step_mark = time.perf_counter()
+
+    # ---------------------------------------------------------------- DDP's reducer takes over
+    @property
+    def settled_dense(self) -> bool:
+        """Every later round would send every gradient dense and as it is, with nothing owed: a
+        plain all-reduce of the gradients, which DDP's C++ reducer does with less CPU than these
+        hooks (the dense path side by side with it: 1.015-1.036x its CPU, experiments/REPORT.md).
+
+        True between rounds when the plan is final (profiling, the rebuild from the ready order,
+        the dense warm-up, the density warm-up and the plan trial are over, or the trial cannot
+        start because nothing is sparse), it sparsifies nothing and has no sparse-gradient buffer,
+        and the memory sends a dense gradient unchanged and owes nothing. The same on every rank:
+        each input is agreed or a function of the step."""
+        trial_over = self._trial is None or self._trial.phase in (SPARSE, DONE)
+        return (
+            self.sync_enabled
+            and not self._failed
+            and not self._accumulated.pending
+            and (self._profiler is None or self.step >= self._profile_end)
+            and not self._rebuild_from_ready_order
+            and self.step >= self.config.warmup_steps
+            and self.sparsifier.density == self.target_density
+            and self.config.density_warmup.density(self.step, self.target_density) == self.target_density
+            and trial_over
+            and self.plan.sparse_numel == 0
+            and not self._coo
+            and self.memory.dense_as_is
+            and self._held_owed is None
+            and not any(self.memory.owed_states())
+        )
+
+    def hand_off(self) -> None:
+        """Stop synchronizing gradients (``settled_dense``: DDP's reducer takes over): the hooks go,
+        and with them the round's buffers. The state stays, for checkpoints and ``handed_off_step``."""
+        self.detach()
+        self._dense_storage.clear()
+        self._decode_storage.clear()
+
+    def handed_off_step(self) -> StepMetrics:
+        """A step DDP's reducer synchronized after ``hand_off``: counted, with the traffic of its ring
+        all-reduce of every gradient, and its summed gradients checked as a dense round's are (a
+        non-finite one raises or drops the step as ``nonfinite`` says; with a GradScaler the scaler
+        skips it). Its exposed communication is not measured: DDP waits for it inside the backward."""
+        self._accumulated.pending = False
+        total = sum(p.numel() * p.element_size() for p in self.params)
+        ring = int(ring_allreduce_bytes(total, self.world_size))
+        metrics = StepMetrics(
+            bytes_sent=ring, bytes_received=ring, padded_bytes_sent=ring, padded_bytes_received=ring,
+            dense_equivalent_bytes=ring, dense_tensors=len(self.params), requested_density=self.sparsifier.density,
+        )
+        if self.grad_scaler is None and not bool(all_finite(_local_gradients(self.params))):
+            if self.config.nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    f"ssfusion: non-finite (NaN/Inf) gradient at step {self.step} in the all-reduced dense gradients; "
+                    "every rank stops here. Pass nonfinite='skip' to drop such steps instead"
+                )
+            for param in self.params:
+                param.grad = None  # optimizers skip parameters without a gradient
+            metrics.skipped_steps = 1
+            return metrics
+        self.step += 1
+        return metrics
 
     # ---------------------------------------------------------------- the plan trial
     @property

@@ -327,6 +327,8 @@ RESUME_RULES: dict[str, str] = {
     "dense_params": "replan",
     "find_unused_parameters": "apply",
     "nonfinite": "apply",
+    # a run handed to DDP's reducer resumes on the engine's rounds and hands off again where it may
+    "ddp_handoff": "apply",
 }
 
 _DOING = {

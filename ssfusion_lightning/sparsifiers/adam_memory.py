@@ -121,6 +121,8 @@ class AdamMemory(LocallyClipped, Memory):
     local-moment Adam, its moments never lost.
     """
 
+    dense_as_is = False
+
     def __init__(self, clip_norm: float | None = None, feedback: float = 1.0) -> None:
         self.clip_norm = validated_clip_norm(clip_norm)
         self.feedback = validated_feedback(feedback)

@@ -27,7 +27,7 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -50,6 +50,11 @@ class Memory(ABC):
     (the same operations): the commit skips its two checks (two passes over the tensor), except
     with a ``loss_scale``, whose unscaling may still overflow.
     """
+
+    #: a dense slot sends its gradient as it is once nothing is owed (``compensate_dense`` gives None):
+    #: a round with every tensor dense is then DDP's all-reduce (memories whose dense slots send
+    #: their own state, momentum correction's velocity or Adam's update, say False)
+    dense_as_is: ClassVar[bool] = True
 
     @abstractmethod
     def compensate(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor: ...
@@ -530,6 +535,8 @@ class DGCMemory(LocallyClipped, Memory):
     v + u with u <- momentum * u + g and keeps u unmasked, so with every position sent each round
     this is momentum SGD, momentum applied once and never lost; v is flushed and dropped.
     """
+
+    dense_as_is = False
 
     def __init__(self, momentum: float = 0.9, clip_norm: float | None = None, feedback: float = 1.0) -> None:
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
