@@ -27,8 +27,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.constants import default_pg_timeout
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
