@@ -135,11 +135,16 @@ class Runner:
             return None
         self.engine.begin_backward()
         loss.backward()
+        # as SSFusionStrategy hands its rounds to DDP's reducer (on the engine's first group) and back
         if isinstance(self.model, DistributedDataParallel):
-            return self.engine.handed_off_step()
+            metrics = self.engine.handed_off_step()
+            if not self.engine.ddp_can_run:
+                self.model = self.model.module
+                self.engine.attach()
+                self.buffers = [b for b in self.model.buffers() if b.numel() > 0]
+            return metrics
         metrics = self.engine.finish()
-        if self.handoff and self.engine.settled_dense:
-            # as SSFusionStrategy hands off: DDP's reducer on the engine's first group from the next step
+        if self.handoff and self.engine.ddp_can_run:
             self.engine.hand_off()
             self.model = DistributedDataParallel(self.model, process_group=self.engine.channels[0].group)
             self.buffers = []  # DDP's forward broadcasts them

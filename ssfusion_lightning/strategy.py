@@ -642,9 +642,11 @@ class SSFusionStrategy(DDPStrategy):
             return
         if self.handed_off:
             self.last_metrics = self.engine.handed_off_step()
+            if not self.engine.ddp_can_run:  # the plan trial's dense window ended on another plan
+                self._take_back_from_ddp()
         else:
             self.last_metrics = self.engine.finish()
-            if self.ddp_handoff and self.engine.settled_dense and self._may_hand_off():
+            if self.ddp_handoff and self.engine.ddp_can_run and self._may_hand_off():
                 self._hand_off_to_ddp()
         self._log_metrics(self.last_metrics)
 
@@ -665,11 +667,12 @@ class SSFusionStrategy(DDPStrategy):
         return len(trained) == len(self.engine.params) and all(a is b for a, b in zip(trained, self.engine.params))
 
     def _hand_off_to_ddp(self) -> None:
-        """Every later round would be a plain all-reduce of the gradients (``FusionEngine.settled_dense``:
-        on a link fast enough that the plan, or the plan trial, sends every tensor dense): from the next
-        forward on, DDP's C++ reducer does it, on the strategy's first process group, with the options
-        it shares with DDP. Its buckets are DDP's layout, which the engine's dense rounds used too.
-        The engine stays for the step count, the non-finite check and checkpoints."""
+        """The next rounds are plain all-reduces of the gradients (``FusionEngine.ddp_can_run``: on a
+        link fast enough that the plan, or the plan trial, sends every tensor dense, or in the trial's
+        dense window): from the next forward on, DDP's C++ reducer does them, on the strategy's first
+        process group, with the options it shares with DDP. Its buckets are DDP's layout, which the
+        engine's dense rounds used too. The engine stays for the step count, the non-finite check,
+        the plan trial and checkpoints."""
         assert self.engine is not None
         self.engine.hand_off()
         self.model = DistributedDataParallel(
@@ -681,6 +684,16 @@ class SSFusionStrategy(DDPStrategy):
         )
         if self.is_global_zero:
             log.info("ssfusion: every tensor is sent dense from step %d on; DDP's reducer takes over", self.engine.step)
+
+    def _take_back_from_ddp(self) -> None:
+        """The plan trial's dense window ended on a plan DDP cannot run (sparse again, or dense with
+        the error feedback's owed mass to send first): the engine's hooks synchronize again."""
+        assert self.engine is not None
+        self.model = self.lightning_module
+        self.engine.attach()
+        self._buffers_due = True
+        if self.is_global_zero:
+            log.info("ssfusion: from step %d on the engine synchronizes the gradients again", self.engine.step)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -219,11 +219,13 @@ def train_with_trial(
         sparsifier="topk", density=0.01, fusion=fusion, comm=comm, offload="none", comm_options=comm_options
     )
     plans: list[tuple[int, bool]] = []
+    handed: list[tuple[int, bool]] = []
 
     class PlanPerStep(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             engine = strategy.engine
             plans.append((engine.step, all(not b.sparse_slots for b in engine.plan.buffers)))
+            handed.append((engine.step, strategy.handed_off))
 
     with slow_allreduce_and_floor(floor), scripted_medians(medians), drift_limit(math.inf if medians is None else DRIFT_LIMIT):
         make_trainer(strategy, steps, callbacks=[PlanPerStep()]).fit(model, DataLoader(regression_data(), batch_size=16))
@@ -232,6 +234,7 @@ def train_with_trial(
         "trial": state["trial"],
         "dense_measured_faster": state["costs"]["dense_measured_faster"],
         "all_dense": dict(plans),
+        "handed_off": dict(handed),
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
     }
 
@@ -303,6 +306,9 @@ def test_a_dense_phase_no_slower_is_checked_against_the_sparse_plan_measured_aga
                 "discarded": None}
     assert first["trial"] == expected and first["dense_measured_faster"] == kept
     assert [first["all_dense"][step] for step in range(4, 15)] == [False] * 3 + [True] * 3 + [False] * 3 + [kept] * 2
+    # the dense window runs under DDP's reducer and the sparse plan on the engine again; a dense outcome
+    # flushes what the error feedback owes in one engine round (step 13), then DDP takes over for good
+    assert [first["handed_off"][step] for step in range(4, 15)] == [False] * 3 + [True] * 3 + [False] * 4 + [kept]
     for rank, result in enumerate(results):
         assert result["trial"] == expected and result["all_dense"] == first["all_dense"]
         for name, value in result["params"].items():

@@ -758,17 +758,19 @@ class FusionEngine:
 
     # ---------------------------------------------------------------- DDP's reducer takes over
     @property
-    def settled_dense(self) -> bool:
-        """Every later round would send every gradient dense and as it is, with nothing owed: a
-        plain all-reduce of the gradients, which DDP's C++ reducer does with less CPU than these
-        hooks (the dense path side by side with it: 1.015-1.036x its CPU, experiments/REPORT.md).
+    def ddp_can_run(self) -> bool:
+        """The next round is a plain all-reduce of the gradients as they are, which DDP's C++ reducer
+        does with less CPU than these hooks (the engine's dense rounds: 1.015-1.036x its CPU,
+        experiments/REPORT.md), and stays one until ``handed_off_step`` says otherwise.
 
-        True between rounds when the plan is final (profiling, the rebuild from the ready order,
-        the dense warm-up, the density warm-up and the plan trial are over, or the trial cannot
-        start because nothing is sparse), it sparsifies nothing and has no sparse-gradient buffer,
-        and the memory sends a dense gradient unchanged and owes nothing. The same on every rank:
-        each input is agreed or a function of the step."""
-        trial_over = self._trial is None or self._trial.phase in (SPARSE, DONE)
+        True between rounds when nothing but the plan trial can change the plan (profiling, the
+        rebuild from the ready order, the dense warm-up and the density warm-up are over), the plan
+        sparsifies nothing and has no sparse-gradient buffer, the memory sends a dense gradient
+        unchanged and owes nothing, and the trial is over, cannot start (nothing is sparse) or is in
+        its dense window (whose owed state it sets aside): that window then measures DDP's reducer,
+        the dense step a hand-off would give. The same on every rank: each input is agreed or a
+        function of the step."""
+        trial_allows = self._trial is None or self._trial.phase in (SPARSE, DONE, DENSE_PHASE)
         return (
             self.sync_enabled
             and not self._failed
@@ -778,27 +780,30 @@ class FusionEngine:
             and self.step >= self.config.warmup_steps
             and self.sparsifier.density == self.target_density
             and self.config.density_warmup.density(self.step, self.target_density) == self.target_density
-            and trial_over
+            and trial_allows
             and self.plan.sparse_numel == 0
             and not self._coo
             and self.memory.dense_as_is
-            and self._held_owed is None
             and not any(self.memory.owed_states())
         )
 
     def hand_off(self) -> None:
-        """Stop synchronizing gradients (``settled_dense``: DDP's reducer takes over): the hooks go,
-        and with them the round's buffers. The state stays, for checkpoints and ``handed_off_step``."""
+        """Stop synchronizing gradients (``ddp_can_run``: DDP's reducer takes over): the hooks go, and
+        with them the round's buffers. The state stays, for ``handed_off_step``, checkpoints and a
+        return (``attach``) where the plan trial's dense window ends on a sparse plan."""
         self.detach()
         self._dense_storage.clear()
         self._decode_storage.clear()
 
     def handed_off_step(self) -> StepMetrics:
         """A step DDP's reducer synchronized after ``hand_off``: counted, with the traffic of its ring
-        all-reduce of every gradient, and its summed gradients checked as a dense round's are (a
-        non-finite one raises or drops the step as ``nonfinite`` says; with a GradScaler the scaler
-        skips it). Its exposed communication is not measured: DDP waits for it inside the backward."""
+        all-reduce of every gradient, its summed gradients checked as a dense round's are (a non-finite
+        one raises or drops the step as ``nonfinite`` says; with a GradScaler the scaler skips it), and
+        timed for the plan trial's dense window, which may end here on another plan (then
+        ``ddp_can_run`` is False and the engine's hooks must come back). Its exposed communication is
+        not measured: DDP waits for it inside the backward."""
         self._accumulated.pending = False
+        elapsed = None if self._step_mark is None else time.perf_counter() - self._step_mark
         total = sum(p.numel() * p.element_size() for p in self.params)
         ring = int(ring_allreduce_bytes(total, self.world_size))
         metrics = StepMetrics(
@@ -814,8 +819,12 @@ class FusionEngine:
             for param in self.params:
                 param.grad = None  # optimizers skip parameters without a gradient
             metrics.skipped_steps = 1
+            self._step_mark = None  # the next step's time would span this one too
             return metrics
         self.step += 1
+        if elapsed is not None and self._trial_running():
+            self._trial_step(elapsed)
+        self._step_mark = time.perf_counter()
         return metrics
 
     # ---------------------------------------------------------------- the plan trial
