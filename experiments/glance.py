@@ -77,7 +77,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     """Bars per cell: ssfusion's speed over each baseline, with the line where they are equal."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) * len(BASELINES) / 2), 3.8))
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 1.05 * len(rows))), 4.2))
     width = 0.8 / len(BASELINES)
     for i, (baseline, label) in enumerate(BASELINES.items()):
         at = [c for c, row in enumerate(rows) if baseline in row["speed"]]

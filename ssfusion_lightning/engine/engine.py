@@ -56,7 +56,7 @@ from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
 from ssfusion_lightning.engine.round import Round
 from ssfusion_lightning.engine.trial import DENSE as DENSE_PHASE
-from ssfusion_lightning.engine.trial import DONE, FUSED, SPARSE, PlanTrial
+from ssfusion_lightning.engine.trial import FUSED, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.fusion.budget import within_budget
@@ -765,12 +765,11 @@ class FusionEngine:
 
         True between rounds when nothing but the plan trial can change the plan (profiling, the
         rebuild from the ready order, the dense warm-up and the density warm-up are over), the plan
-        sparsifies nothing and has no sparse-gradient buffer, the memory sends a dense gradient
-        unchanged and owes nothing, and the trial is over, cannot start (nothing is sparse) or is in
-        its dense window (whose owed state it sets aside): that window then measures DDP's reducer,
-        the dense step a hand-off would give. The same on every rank: each input is agreed or a
-        function of the step."""
-        trial_allows = self._trial is None or self._trial.phase in (SPARSE, DONE, DENSE_PHASE)
+        sparsifies nothing and has no sparse-gradient buffer, and the memory sends a dense gradient
+        unchanged and owes nothing. The trial's sparse windows have sparse plans, and a trial that
+        has not started cannot start on a plan with nothing sparse; its dense window (whose owed
+        state it sets aside) qualifies, and then measures DDP's reducer, the dense step a hand-off
+        would give. The same on every rank: each input is agreed or a function of the step."""
         return (
             self.sync_enabled
             and not self._failed
@@ -780,7 +779,6 @@ class FusionEngine:
             and self.step >= self.config.warmup_steps
             and self.sparsifier.density == self.target_density
             and self.config.density_warmup.density(self.step, self.target_density) == self.target_density
-            and trial_allows
             and self.plan.sparse_numel == 0
             and not self._coo
             and self.memory.dense_as_is
@@ -811,13 +809,7 @@ class FusionEngine:
             dense_equivalent_bytes=ring, dense_tensors=len(self.params), requested_density=self.sparsifier.density,
         )
         if self.grad_scaler is None and not bool(all_finite(_local_gradients(self.params))):
-            if self.config.nonfinite == "raise":
-                raise NonFiniteGradientError(
-                    f"ssfusion: non-finite (NaN/Inf) gradient at step {self.step} in the all-reduced dense gradients; "
-                    "every rank stops here. Pass nonfinite='skip' to drop such steps instead"
-                )
-            for param in self.params:
-                param.grad = None  # optimizers skip parameters without a gradient
+            self._refuse_nonfinite(self.step, "in the all-reduced dense gradients")
             metrics.skipped_steps = 1
             self._step_mark = None  # the next step's time would span this one too
             return metrics
@@ -945,6 +937,14 @@ class FusionEngine:
             metrics, self.metrics = self.metrics, StepMetrics()
             metrics.skipped_steps = 1
             return metrics
+        self._refuse_nonfinite(step, where)
+        metrics, self.metrics = self.metrics, StepMetrics()
+        metrics.skipped_steps = 1
+        return metrics
+
+    def _refuse_nonfinite(self, step: int, where: str) -> None:
+        """``nonfinite``'s answer to a non-finite round without a GradScaler: raise on every rank, or
+        drop every gradient, so that the optimizer skips the step."""
         if self.config.nonfinite == "raise":
             raise NonFiniteGradientError(
                 f"ssfusion: non-finite (NaN/Inf) gradient at step {step} {where}; every rank stops here. "
@@ -952,9 +952,6 @@ class FusionEngine:
             )
         for param in self.params:
             param.grad = None  # optimizers skip parameters without a gradient
-        metrics, self.metrics = self.metrics, StepMetrics()
-        metrics.skipped_steps = 1
-        return metrics
 
     def _settle(self, item: Any, what: str) -> Any:
         """Wait for a worker job's value (a launched buffer, a control collective)."""
