@@ -260,6 +260,8 @@ class FusionEngine:
         self._trial = PlanTrial(trial_steps) if trial_steps else None
         #: what the memory owed when the trial's dense window began, set aside until it ends
         self._held_owed: list[dict[str, Tensor]] | None = None
+        #: DDP's ring all-reduce of every gradient, the traffic of a handed-off step (set by ``hand_off``)
+        self._handed_off_bytes = 0
         self._step_mark: float | None = None  # where the last round's bookkeeping ended: step times
         self.target_density = sparsifier.density
         self._built_plans: list[tuple[tuple[Any, ...], Plan]] = []
@@ -771,7 +773,9 @@ class FusionEngine:
         state it sets aside) qualifies, and then measures DDP's reducer, the dense step a hand-off
         would give. The same on every rank: each input is agreed or a function of the step."""
         return (
-            self.sync_enabled
+            self.plan.sparse_numel == 0  # first: a sparse run asks this every step
+            and not self._coo
+            and self.sync_enabled
             and not self._failed
             and not self._accumulated.pending
             and (self._profiler is None or self.step >= self._profile_end)
@@ -779,8 +783,6 @@ class FusionEngine:
             and self.step >= self.config.warmup_steps
             and self.sparsifier.density == self.target_density
             and self.config.density_warmup.density(self.step, self.target_density) == self.target_density
-            and self.plan.sparse_numel == 0
-            and not self._coo
             and self.memory.dense_as_is
             and not any(self.memory.owed_states())
         )
@@ -792,6 +794,8 @@ class FusionEngine:
         self.detach()
         self._dense_storage.clear()
         self._decode_storage.clear()
+        total = sum(p.numel() * p.element_size() for p in self.params)
+        self._handed_off_bytes = int(ring_allreduce_bytes(total, self.world_size))
 
     def handed_off_step(self) -> StepMetrics:
         """A step DDP's reducer synchronized after ``hand_off``: counted, with the traffic of its ring
@@ -802,8 +806,7 @@ class FusionEngine:
         not measured: DDP waits for it inside the backward."""
         self._accumulated.pending = False
         elapsed = None if self._step_mark is None else time.perf_counter() - self._step_mark
-        total = sum(p.numel() * p.element_size() for p in self.params)
-        ring = int(ring_allreduce_bytes(total, self.world_size))
+        ring = self._handed_off_bytes
         metrics = StepMetrics(
             bytes_sent=ring, bytes_received=ring, padded_bytes_sent=ring, padded_bytes_received=ring,
             dense_equivalent_bytes=ring, dense_tensors=len(self.params), requested_density=self.sparsifier.density,
