@@ -53,7 +53,7 @@ from experiments.e2e_worker import ENGINE_SCHEMES, POWERSGD_RANKS, build_workloa
 from ssfusion_lightning.data.sequences import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
-DDP_HOOKS = {"compute_only": "noop", "compute_sync": "lockstep", "ddp": None, **{name: "powersgd" for name in POWERSGD_RANKS}}
+DDP_HOOKS = {"compute_only": "noop", "compute_sync": "lockstep", "ddp": None, "ddp_bucket_view": None, **{name: "powersgd" for name in POWERSGD_RANKS}}
 SCHEMES = (*DDP_HOOKS, *ENGINE_SCHEMES)
 #: engine schemes whose memory needs Lightning's optimizer hand-off (SSFusionStrategy.setup_optimizers)
 NEEDS_LIGHTNING = ("dgc", "adam", "auto")
@@ -105,7 +105,8 @@ class Runner:
             # argument's deprecation warning names a replacement that would still sync them at construction)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                self.model = DistributedDataParallel(module, broadcast_buffers=hook not in ("noop", "lockstep"))
+                self.model = DistributedDataParallel(module, broadcast_buffers=hook not in ("noop", "lockstep"),
+                                                     gradient_as_bucket_view=scheme == "ddp_bucket_view")
             self.hook = register_ddp_hook(self.model, hook, POWERSGD_RANKS.get(scheme, 1)) if hook else None
             self.buffers: list[torch.Tensor] = []
         else:
@@ -146,7 +147,8 @@ class Runner:
         metrics = self.engine.finish()
         if self.handoff and self.engine.ddp_can_run:
             self.engine.hand_off()
-            self.model = DistributedDataParallel(self.model, process_group=self.engine.channels[0].group)
+            self.model = DistributedDataParallel(self.model, process_group=self.engine.channels[0].group,
+                                                 gradient_as_bucket_view=True)
             self.buffers = []  # DDP's forward broadcasts them
         return metrics
 

@@ -681,6 +681,7 @@ class SSFusionStrategy(DDPStrategy):
             process_group=self._groups[0] if self._groups else None,
             find_unused_parameters=self.find_unused_parameters,
             broadcast_buffers=self.broadcast_buffers,
+            gradient_as_bucket_view=True,
         )
         if self.is_global_zero:
             log.info("ssfusion: every tensor is sent dense from step %d on; DDP's reducer takes over", self.engine.step)
