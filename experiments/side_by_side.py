@@ -13,7 +13,9 @@ Launches of one code through Lightning moved the step ratios between schemes by 
 processes, minutes apart. Here the schemes share the processes and the minute.
 
 A scheme is a DDP baseline (``compute_only``: DDP with a no-op comm hook, the step without
-communication; ``compute_sync``: the same plus one 1-element all-reduce a step, the lockstep floor; ``ddp``; ``ddp_powersgd`` / ``ddp_powersgd4``: PyTorch's PowerSGD hook at rank 1 / 4)
+communication; ``compute_sync``: the same plus one 1-element all-reduce a step, the lockstep floor; ``ddp``;
+``ddp_bucket_view``: DDP with ``gradient_as_bucket_view``, as the strategy's hand-off builds it; ``ddp_powersgd`` /
+``ddp_powersgd4``: PyTorch's PowerSGD hook at rank 1 / 4)
 or an engine scheme of experiments/e2e_worker.py (``ssfusion``, ``ssfusion_dense`` = sparsifier none,
 ``safusion``, ...) built as ``SSFusionStrategy`` builds its engine, outside Lightning. A step is what
 Lightning's loop does for each: the module buffers' broadcast before the forward (where the scheme

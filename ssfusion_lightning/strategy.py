@@ -671,8 +671,10 @@ class SSFusionStrategy(DDPStrategy):
         link fast enough that the plan, or the plan trial, sends every tensor dense, or in the trial's
         dense window): from the next forward on, DDP's C++ reducer does them, on the strategy's first
         process group, with the options it shares with DDP. Its buckets are DDP's layout, which the
-        engine's dense rounds used too. The engine stays for the step count, the non-finite check,
-        the plan trial and checkpoints."""
+        engine's dense rounds used too, and the gradients are views of them (``gradient_as_bucket_view``:
+        the summed bucket is not copied back, and the engine's decoded gradients were views of its
+        own storage already). The engine stays for the step count, the non-finite check, the plan
+        trial and checkpoints."""
         assert self.engine is not None
         self.engine.hand_off()
         self.model = DistributedDataParallel(
