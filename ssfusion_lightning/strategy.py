@@ -204,7 +204,9 @@ class SSFusionStrategy(DDPStrategy):
             fusion policy and memory (e.g. ``comm_options={"choice": "sparcml"}`` for ``comm="zen"``).
             Every communicator takes ``dense_trial_steps``: the measured plan trial, which sends
             the model dense (DDP's buckets) where that measured faster than the plan's selections
-            (16 for ``auto``; 0, off, for a fixed scheme unless its preset turns it on).
+            (16 for ``auto``; 0, off, for a fixed scheme unless its preset turns it on), and
+            ``min_sparse_speedup``: how many times faster a step the sparse plan must measure than
+            dense to stay (1.0: the faster step wins).
         timeout: as DDP's; also bounds every collective of the strategy's own process groups, so a
             dead rank or a cut link fails the step with an error instead of hanging.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,

@@ -115,6 +115,54 @@ def test_a_fixed_scheme_with_the_trial_sends_dense_where_dense_measured_faster(p
             assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
 
 
+@pytest.mark.parametrize("speedup, floor_leaves_dense_a_chance", [(1.0, False), (1.2, True)])
+def test_the_dense_floor_is_held_against_the_sparse_step_times_the_required_speedup(speedup, floor_leaves_dense_a_chance):
+    """A dense all-reduce modelled at 0.08 s cannot beat a 0.07 s sparse step, but may come within
+    1.2x of it: then the dense window runs."""
+    trial = measured(PlanTrial(1, min_sparse_speedup=speedup), 1.0, 0.07)
+    entered = trial.end_sparse(agreed(0.0), fusable=False, dense_floor=0.08)
+    assert entered == (DENSE if floor_leaves_dense_a_chance else DONE) and not trial.dense_kept
+
+
+@pytest.mark.parametrize(
+    "speedup, dense_median, kept",
+    # the sparse plan measures 0.07 s in both windows; with 1.2 it must be 1.2x faster than dense to stay
+    [(1.0, 0.075, False), (1.2, 0.075, True), (1.2, 0.084, True), (1.2, 0.085, False), (1.5, 0.1, True)],
+)
+def test_the_sparse_plan_stays_only_where_it_is_the_required_speedup_faster(speedup, dense_median, kept):
+    trial = PlanTrial(1, phase=DENSE, sparse_seconds=0.07, min_sparse_speedup=speedup)
+    entered = measured(trial, 1.0, dense_median).end_dense(agreed(0.0))
+    if entered == CONFIRM:
+        assert measured(trial, 1.0, 0.07).end_confirm(agreed(0.0)) == DONE
+    assert trial.phase == DONE and trial.dense_kept == kept
+    assert (entered == CONFIRM) == kept  # a dense window beyond the bound ends the trial on sparse at once
+
+
+@pytest.mark.parametrize("bad", [0.9, 0, -1.0, math.inf, math.nan, True, "1.2", None])
+def test_min_sparse_speedup_must_be_a_finite_number_of_at_least_one(bad):
+    for comm in ("allgather", "auto"):
+        with pytest.raises(ValueError, match=r"min_sparse_speedup must be a finite number >= 1\.0.*got"):
+            COMMUNICATORS.build(comm, min_sparse_speedup=bad)
+    assert COMMUNICATORS.build("auto", min_sparse_speedup=1.25).min_sparse_speedup == 1.25
+    assert COMMUNICATORS.build("zen").min_sparse_speedup == 1.0
+
+
+@pytest.mark.parametrize("speedup, kept", [(1.0, False), (1.2, True)])
+def test_the_engine_holds_the_trial_to_the_communicators_speedup(pool2, speedup, kept):
+    """Sparse 0.07 s against dense 0.08 s on 2 ranks: the faster step keeps sparse; asked for 1.2x,
+    both ranks keep dense, switch at the same step and end on the same parameters."""
+    medians = {SPARSE: 0.07, DENSE: 0.08, CONFIRM: 0.07}
+    results = pool2.run(train_with_trial, 15, 0.0, medians, "auto", "ahead", speedup)
+    first = results[0]
+    assert first["trial"]["phase"] == DONE and first["dense_measured_faster"] == kept
+    expected = [False] * 3 + [True] * 3 + ([False] * 3 + [True] * 2 if kept else [False] * 5)
+    assert [first["all_dense"][step] for step in range(4, 15)] == expected
+    for rank, result in enumerate(results):
+        assert result["trial"] == first["trial"] and result["all_dense"] == first["all_dense"]
+        for name, value in result["params"].items():
+            assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
+
+
 def test_sparse_windows_that_drifted_apart_measure_dense_and_sparse_once_more():
     """The host slowed during the second sparse window (0.07 -> 0.095, beyond DRIFT_LIMIT): dense
     (0.068) is measured again beside it, the second sparse window is the one before the new dense
@@ -204,7 +252,7 @@ def slow_allreduce_and_floor(floor: float):
 
 def train_with_trial(
     steps: int, floor: float, medians: dict[str, float | list[float]] | None = None, comm: str = "auto",
-    fusion: str = "ahead",
+    fusion: str = "ahead", min_sparse_speedup: float = 1.0,
 ) -> dict:
     """``comm`` and ``fusion`` (auto and ahead by default) with a 2-step trial after the 3 profiled rounds (steps 1-3; costs
     from step 4 on): the sparse phase times steps 4 to 6 (4 left out), the dense phase (where it
@@ -214,7 +262,8 @@ def train_with_trial(
     scripts it)."""
     L.seed_everything(0, verbose=False)
     model = Regressor(width=256)
-    comm_options = {"dense_trial_steps": 2, **({"schemes": ["allreduce", "allgather"]} if comm == "auto" else {})}
+    comm_options = {"dense_trial_steps": 2, "min_sparse_speedup": min_sparse_speedup,
+                    **({"schemes": ["allreduce", "allgather"]} if comm == "auto" else {})}
     strategy = ssf.SSFusionStrategy(
         sparsifier="topk", density=0.01, fusion=fusion, comm=comm, offload="none", comm_options=comm_options
     )

@@ -94,7 +94,8 @@ class AutoCommunicator(Communicator):
     ``dense_trial_steps``: with the fallback, once the costs are measured, time this many steps of
     the sparse plan, as many with the auto cut's tensors in one buffer (where it made several) and,
     where the link leaves dense a chance, as many sent dense, and keep the fastest
-    (``engine/trial.py``); 0 leaves the choice to the model alone.
+    (``engine/trial.py``); 0 leaves the choice to the model alone. ``min_sparse_speedup`` (every
+    communicator's option): how many times faster a step the sparse plan must measure to stay.
     """
 
     name = "auto"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -81,18 +83,36 @@ class Communicator(ABC):
     exact: ClassVar[bool] = True
     #: steps per phase of the engine's measured plan trial (``engine/trial.py``); 0: none
     dense_trial_steps: int = 0
+    #: how many times faster a step the trial's sparse plan must measure than dense to stay
+    min_sparse_speedup: float = 1.0
 
-    def __init__(self, dense_trial_steps: int = 0, **options: Any) -> None:
+    def __init__(self, dense_trial_steps: int = 0, min_sparse_speedup: float = 1.0, **options: Any) -> None:
         """``dense_trial_steps``: time this many steps of the plan, and where the link leaves dense
         a chance as many sent dense (DDP's buckets, this communicator's dense path), and keep the
         faster (``engine/trial.py``): a fixed scheme's guard against running slower than DDP on a
         link fast enough that sparsifying does not pay. 0 (the default): every planned selection is
-        kept."""
+        kept.
+
+        ``min_sparse_speedup``: the trial keeps the sparse plan only where dense's step measured at
+        least this many times its step (1.0, the default: the faster step wins). A selection
+        costs steps to accuracy as well as saving time a step: with residual error feedback the
+        digits CNN needed 1.3-1.5x DDP's steps and the byte-level LM never reached DDP's loss, where
+        their sparse steps were 1.05-1.3x faster than dense (experiments/REPORT.md, "Time to
+        accuracy on the 300 Mbit/s link after the hand-off")."""
         if options:
             raise TypeError(f"communicator {self.name!r} got unknown options {sorted(options)}")
         if isinstance(dense_trial_steps, bool) or not isinstance(dense_trial_steps, int) or dense_trial_steps < 0:
             raise ValueError(f"communicator {self.name!r}: dense_trial_steps must be an integer >= 0, got {dense_trial_steps!r}")
+        if (
+            isinstance(min_sparse_speedup, bool) or not isinstance(min_sparse_speedup, (int, float))
+            or not math.isfinite(min_sparse_speedup) or min_sparse_speedup < 1.0
+        ):
+            raise ValueError(
+                f"communicator {self.name!r}: min_sparse_speedup must be a finite number >= 1.0 (1.0: the faster step "
+                f"wins), got {min_sparse_speedup!r}"
+            )
         self.dense_trial_steps = dense_trial_steps
+        self.min_sparse_speedup = float(min_sparse_speedup)
 
     @abstractmethod
     def launch(self, encoded: Encoded, buffer: Buffer, channels: ChannelSet) -> PendingReduction:

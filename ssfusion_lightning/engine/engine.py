@@ -257,7 +257,7 @@ class FusionEngine:
         self._profile_start = max(1, config.warmup_steps)
         self._profile_end = self._profile_start + config.profile_steps if needs_profile else 0
         self._profiler = Profiler(self.names) if needs_profile else None
-        self._trial = PlanTrial(trial_steps) if trial_steps else None
+        self._trial = PlanTrial(trial_steps, min_sparse_speedup=communicator.min_sparse_speedup) if trial_steps else None
         #: what the memory owed when the trial's dense window began, set aside until it ends
         self._held_owed: list[dict[str, Tensor]] | None = None
         #: DDP's ring all-reduce of every gradient, the traffic of a handed-off step (set by ``hand_off``)
