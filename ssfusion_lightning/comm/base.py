@@ -95,10 +95,11 @@ class Communicator(ABC):
 
         ``min_sparse_speedup``: the trial keeps the sparse plan only where dense's step measured at
         least this many times its step (1.0, the default: the faster step wins). A selection
-        costs steps to accuracy as well as saving time a step: with residual error feedback the
-        digits CNN needed 1.3-1.5x DDP's steps and the byte-level LM never reached DDP's loss, where
-        their sparse steps were 1.05-1.3x faster than dense (experiments/REPORT.md, "Time to
-        accuracy on the 300 Mbit/s link after the hand-off")."""
+        costs steps to accuracy as well as saving time a step, which the trial does not see. At
+        1.2 on a 300 Mbit/s link (three seeds) the byte-level LM with residual error feedback
+        reached DDP's loss in 2 of 3 seeds at P = 2 instead of 0, but the digits CNN's time to
+        accuracy did not improve and with ``memory="auto"`` it fell from 1.42x DDP's to 0.81x at
+        P = 4 (experiments/REPORT.md, "Asking the sparse plan for a speed-up"): so not the default."""
         if options:
             raise TypeError(f"communicator {self.name!r} got unknown options {sorted(options)}")
         if isinstance(dense_trial_steps, bool) or not isinstance(dense_trial_steps, int) or dense_trial_steps < 0:
