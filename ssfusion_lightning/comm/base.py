@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
