@@ -4,8 +4,9 @@
     python -m experiments.count_rounds --label before      # writes rounds_before.csv instead (the baseline)
     python -m experiments.count_rounds --report-only       # rounds.md from the CSVs already there
 
-For each system preset (offload "none", so the plan does not depend on measured offload costs),
-the dense engine (the ssfusion preset with sparsifier "none") and the ssfusion preset with its own
+For each system preset (offload "none", so the plan does not depend on measured offload costs; with
+comm="auto" the dense fallback off, so the plan keeps its selections), the dense engine (the ssfusion
+preset with sparsifier "none" and no hand-off to DDP's reducer) and the ssfusion preset with its own
 offload="auto", P gloo ranks on loopback train a small MLP (five 256-wide layers, ~0.8 MB of
 fp32 gradients) with ``buffer_mb=0.25`` for ``STEPS`` steps, so every plan has several buffers.
 
@@ -48,12 +49,19 @@ BUFFER_MB = 0.25
 def configurations() -> dict[str, dict[str, Any]]:
     from ssfusion_lightning.presets import SYSTEM_PRESETS
 
+    def preset(name: str) -> dict[str, Any]:
+        kwargs = {k: v for k, v in SYSTEM_PRESETS[name][1].items() if k != "start_method"}
+        if kwargs["comm"] == "auto":
+            # the rounds of the plan's selections: on loopback the modelled dense fallback may send this
+            # small MLP dense, and then DDP's reducer takes the steps over (no engine round to count)
+            kwargs["comm_options"] = {**kwargs.get("comm_options", {}), "dense_fallback": False}
+        return kwargs
+
     configs: dict[str, dict[str, Any]] = {}
     for name in ("ssfusion", "safusion", "adtopk", "zen", "oktopk"):
-        kwargs = {k: v for k, v in SYSTEM_PRESETS[name][1].items() if k != "start_method"}
-        configs[name] = {**kwargs, "offload": "none"}
-    configs["dense"] = {**configs["ssfusion"], "sparsifier": "none"}
-    configs["ssfusion (offload=auto)"] = {k: v for k, v in SYSTEM_PRESETS["ssfusion"][1].items() if k != "start_method"}
+        configs[name] = {**preset(name), "offload": "none"}
+    configs["dense"] = {**configs["ssfusion"], "sparsifier": "none", "ddp_handoff": False}  # the engine's own rounds
+    configs["ssfusion (offload=auto)"] = preset("ssfusion")
     # ZEN picks SparCML at these P on loopback; its balanced parallelism, which it picks at scale:
     configs["zen (choice=zen)"] = {**configs["zen"], "comm_options": {"choice": "zen"}}
     return configs
