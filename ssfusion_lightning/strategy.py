@@ -195,7 +195,9 @@ class SSFusionStrategy(DDPStrategy):
             the plan or the plan trial keeps no tensor sparse), DDP's C++ reducer synchronizes the gradients
             from the next step on (default True, under automatic optimization): the engine's dense rounds
             cost a rank 2-4% more CPU than it. False keeps the engine's rounds, whose dense path is DDP's
-            to the bit.
+            to the bit. With memory "dgc" the SGD gets its momentum back, its buffers the ranks' averaged
+            momentum correction (weight decay then inside the momentum, as torch's SGD has it); the
+            memories that send their own Adam update, or clip each rank's gradient, keep the engine's rounds.
         ranks_per_node: ranks that share a node (its fast link), for ``comm="hierarchical"`` and
             the hierarchical candidates of ``comm="auto"`` (default: Lightning's devices per node).
             Global ranks are node-major. A smaller value than the real one emulates several nodes
@@ -494,7 +496,7 @@ class SSFusionStrategy(DDPStrategy):
             self._restore_pending_engine_state()
         memory = self.engine.memory if self.engine is not None else None
         if isinstance(memory, DGCMemory):
-            taken = memory.take_momentum_from(self.optimizers)
+            taken = memory.take_momentum_from(self.optimizers, self.engine.params)
             if taken is not None:
                 log.info("ssfusion: memory='dgc' applies the optimizer's momentum %s (momentum correction); the optimizer's is now 0", taken)
             elif (note := memory.untaken_momentum(self.optimizers)) is not None:
@@ -546,6 +548,10 @@ class SSFusionStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        # the optimizer's state is loaded by now: a checkpoint of a run handed to DDP's reducer (or of
+        # plain DDP) holds the momentum correction's momentum in the SGD, which steps without it here
+        if self.engine is not None and self.engine.take_memory_from_optimizer():
+            log.info("ssfusion: the optimizer's momentum buffers from the checkpoint are the momentum correction's again")
         if self.engine is not None and self.density_warmup_epochs:
             steps = self._steps_per_epoch() * self.density_warmup_epochs
             self.engine.set_density_warmup(DensityWarmup(max(1, round(steps)), self.density_warmup_stages))
@@ -695,7 +701,7 @@ class SSFusionStrategy(DDPStrategy):
         the error feedback's owed mass to send first): the engine's hooks synchronize again."""
         assert self.engine is not None
         self.model = self.lightning_module
-        self.engine.attach()
+        self.engine.take_back()
         self._buffers_due = True
         if self.is_global_zero:
             log.info("ssfusion: from step %d on the engine synchronizes the gradients again", self.engine.step)

@@ -103,6 +103,24 @@ def test_a_plan_dense_for_good_hands_the_gradients_to_ddps_reducer(pool2, kind, 
         assert metrics.dense_tensors > 0 and metrics.bytes_sent == metrics.dense_equivalent_bytes > 0
 
 
+def fit_dgc_with_handoff(**trainer_kwargs):
+    """DDP's parameters, and memory="dgc"'s with the hand-off on: per step whether DDP's reducer ran it,
+    the SGD's momentum after the fit and the momenta the memory kept."""
+    (reference, ours), handed, _, _ = fit_with_handoff("plain", "ddp", dict(DENSE, ddp_handoff=True, memory="dgc"), **trainer_kwargs)
+    return (reference, ours), handed
+
+
+def test_momentum_correction_hands_its_momentum_to_the_sgd_with_the_rounds(pool2):
+    """memory="dgc" with nothing sparse: the engine's first round is momentum SGD on the ranks' averaged
+    momentum correction (the SGD's own momentum 0). From the next round DDP's reducer sums the
+    gradients, and the SGD has its momentum back with that average as its buffer: two ranks without
+    weight decay end on DDP's parameters to the bit."""
+    out = pool2.run(fit_dgc_with_handoff)
+    assert_bitwise_equal([pair for pair, _ in out])
+    for _, handed in out:
+        assert handed == [False] + [True] * (len(handed) - 1)
+
+
 def every_policy_and_communicator_at_full_density():
     """Top-k at density 1 keeps every element: each fusion policy x communicator must then add up
     exactly what DDP adds up (two ranks: a + b has one rounding whatever the order)."""

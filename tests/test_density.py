@@ -339,7 +339,8 @@ def momentum_takeover_run(strategy_kwargs):
 def test_dgc_memory_takes_over_the_sgd_momentum_and_trains_like_ddp(pool2):
     # dense slots (sparsifier none): momentum correction is SGD's momentum, applied once, by the
     # memory instead of the optimizer; the same math as DDP + SGD(momentum=0.9), summed in another order
-    dense_dgc = dict(sparsifier="none", memory="dgc", fusion="ahead", comm="allreduce", offload="none")
+    # (the engine's own rounds: with the hand-off DDP's reducer and the SGD's momentum take over)
+    dense_dgc = dict(sparsifier="none", memory="dgc", fusion="ahead", comm="allreduce", offload="none", ddp_handoff=False)
     ours = pool2.run(momentum_takeover_run, dense_dgc)
     ddp = pool2.run(momentum_takeover_run, None)
     for (params, optimizer_momentum, memory_momentum), (reference, ddp_momentum, _) in zip(ours, ddp):
@@ -390,3 +391,39 @@ def test_dgc_memory_refuses_momentum_it_cannot_apply():
         memory.take_momentum_from([torch.optim.SGD([param], lr=0.1, momentum=0.9, nesterov=True)])
     plain = torch.optim.SGD([param], lr=0.1)
     assert memory.take_momentum_from([plain, torch.optim.Adam([other])]) is None and memory.momentum == 0.9
+
+
+def test_dgc_memory_moves_its_momentum_to_the_sgd_and_back():
+    """hand_to_optimizer: the averaged u becomes the SGD's buffer and the momentum the group's again,
+    the memory keeps none; take_from_optimizer: the buffer is u again and the group's momentum 0.
+    DDP's reducer may run the dense rounds only where the SGD steps every tensor and nothing clips."""
+    weight, bias, stray = (nn.Parameter(torch.zeros(n)) for n in (4, 2, 3))
+    params = {"weight": weight, "bias": bias}
+    sgd = torch.optim.SGD([{"params": [weight]}, {"params": [bias]}], lr=0.1, momentum=0.9)
+    memory = build_memory("dgc")
+    assert memory.take_momentum_from([sgd], [weight, bias]) == 0.9 and memory.ddp_can_take_over
+    assert [group["momentum"] for group in sgd.param_groups] == [0.0, 0.0]
+    memory.settle_dense("weight", torch.arange(4.0))
+    averaged: list[list[float]] = []
+
+    def halve_(tensors: list[torch.Tensor]) -> None:  # two ranks, the other's u all zeros
+        averaged.extend(t.tolist() for t in tensors)
+        torch._foreach_mul_(tensors, 0.5)
+
+    memory.hand_to_optimizer(params, halve_)
+    assert averaged == [[0.0, 1.0, 2.0, 3.0]]
+    assert [group["momentum"] for group in sgd.param_groups] == [0.9, 0.9] and memory.momenta == {}
+    assert sgd.state[weight]["momentum_buffer"].tolist() == [0.0, 0.5, 1.0, 1.5] and "momentum_buffer" not in sgd.state[bias]
+
+    weight.grad, bias.grad = torch.ones(4), torch.ones(2)
+    sgd.step()  # the bias's buffer starts from its gradient, as a fresh u would
+    assert memory.take_from_optimizer(params) and not memory.take_from_optimizer(params)
+    assert [group["momentum"] for group in sgd.param_groups] == [0.0, 0.0] and all(not state for state in sgd.state.values())
+    torch.testing.assert_close(memory.momenta["weight"], torch.tensor([1.0, 1.45, 1.9, 2.35]))
+    assert memory.momenta["bias"].tolist() == [1.0, 1.0]
+
+    uncovered = build_memory("dgc")
+    uncovered.take_momentum_from([torch.optim.SGD([weight], lr=0.1, momentum=0.9)], [weight, stray])
+    clipped = build_memory("dgc", clip_norm=1.0)
+    clipped.take_momentum_from([torch.optim.SGD([weight], lr=0.1, momentum=0.9)], [weight])
+    assert not uncovered.ddp_can_take_over and not clipped.ddp_can_take_over and not build_memory("dgc").ddp_can_take_over

@@ -252,7 +252,8 @@ def slow_allreduce_and_floor(floor: float):
 
 def train_with_trial(
     steps: int, floor: float, medians: dict[str, float | list[float]] | None = None, comm: str = "auto",
-    fusion: str = "ahead", min_sparse_speedup: float = 1.0,
+    fusion: str = "ahead", min_sparse_speedup: float = 1.0, memory: str = "residual", ddp_handoff: bool = True,
+    callbacks: tuple = (),
 ) -> dict:
     """``comm`` and ``fusion`` (auto and ahead by default) with a 2-step trial after the 3 profiled rounds (steps 1-3; costs
     from step 4 on): the sparse phase times steps 4 to 6 (4 left out), the dense phase (where it
@@ -265,7 +266,8 @@ def train_with_trial(
     comm_options = {"dense_trial_steps": 2, "min_sparse_speedup": min_sparse_speedup,
                     **({"schemes": ["allreduce", "allgather"]} if comm == "auto" else {})}
     strategy = ssf.SSFusionStrategy(
-        sparsifier="topk", density=0.01, fusion=fusion, comm=comm, offload="none", comm_options=comm_options
+        sparsifier="topk", density=0.01, fusion=fusion, comm=comm, offload="none", comm_options=comm_options,
+        memory=memory, ddp_handoff=ddp_handoff,
     )
     plans: list[tuple[int, bool]] = []
     handed: list[tuple[int, bool]] = []
@@ -277,7 +279,7 @@ def train_with_trial(
             handed.append((engine.step, strategy.handed_off))
 
     with slow_allreduce_and_floor(floor), scripted_medians(medians), drift_limit(math.inf if medians is None else DRIFT_LIMIT):
-        make_trainer(strategy, steps, callbacks=[PlanPerStep()]).fit(model, DataLoader(regression_data(), batch_size=16))
+        make_trainer(strategy, steps, callbacks=[PlanPerStep(), *callbacks]).fit(model, DataLoader(regression_data(), batch_size=16))
     state = strategy._final_engine_state
     return {
         "trial": state["trial"],
@@ -362,6 +364,50 @@ def test_a_dense_phase_no_slower_is_checked_against_the_sparse_plan_measured_aga
         assert result["trial"] == expected and result["all_dense"] == first["all_dense"]
         for name, value in result["params"].items():
             assert torch.equal(value, first["params"][name]), f"rank {rank}: {name} differs from rank 0"
+
+
+def trial_with_momentum_correction(ddp_handoff: bool) -> dict:
+    """memory="dgc" through the dense window (steps 7-9) into the sparse plan: per step whether DDP
+    ran it, and before the backward after step 10 (the engine's again) the parameters, the memory's
+    momenta and the SGD's momentum and buffers."""
+    before: dict = {}
+
+    class AfterTheWindow(L.Callback):
+        def on_before_backward(self, trainer, module, loss):
+            strategy = trainer.strategy
+            if strategy.engine.step == 10:
+                optimizer = strategy.optimizers[0]
+                before.update(
+                    params={n: p.detach().clone() for n, p in module.named_parameters()},
+                    momenta={k: v.clone() for k, v in strategy.engine.memory.momenta.items()},
+                    sgd_momentum=optimizer.param_groups[0]["momentum"],
+                    sgd_buffers=sum("momentum_buffer" in state for state in optimizer.state.values()),
+                )
+
+    medians = {SPARSE: 0.07, DENSE: 0.065, CONFIRM: 0.058}
+    result = train_with_trial(11, 0.0, medians, memory="dgc", ddp_handoff=ddp_handoff, callbacks=(AfterTheWindow(),))
+    return {"handed_off": result["handed_off"], **before}
+
+
+def test_momentum_correction_goes_to_the_sgd_for_the_dense_window_and_comes_back(pool2):
+    """Under DDP's reducer the SGD steps with the ranks' averaged momentum correction as its buffer, so
+    the dense window ends where the engine's own dense rounds end, to rounding. When the engine's
+    hooks are back, that buffer is every rank's momentum again and the SGD has none: the momentum the
+    ranks hold adds up to what the engine's rounds leave them (each rank's own there), and is applied
+    once, never lost."""
+    handed = pool2.run(trial_with_momentum_correction, True)
+    engine_only = pool2.run(trial_with_momentum_correction, False)
+    assert [handed[0]["handed_off"][step] for step in range(4, 11)] == [False] * 3 + [True] * 3 + [False]
+    assert not any(engine_only[0]["handed_off"].values())
+    for ours, reference in zip(handed, engine_only):
+        assert (ours["sgd_momentum"], ours["sgd_buffers"], reference["sgd_momentum"]) == (0.0, 0, 0.0)
+        for name, value in ours["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-7, msg=name)
+    assert handed[0]["momenta"].keys() == engine_only[0]["momenta"].keys() and handed[0]["momenta"]
+    for key, momentum in handed[0]["momenta"].items():
+        assert torch.equal(momentum, handed[1]["momenta"][key]), f"{key}: the ranks took back different momenta"
+        held = sum(result["momenta"][key] for result in engine_only)
+        torch.testing.assert_close(2 * momentum, held, rtol=1e-5, atol=1e-7, msg=key)
 
 
 def test_sparse_windows_that_drifted_apart_repeat_the_comparison_on_every_rank_alike(pool2):

@@ -85,3 +85,17 @@ def test_resume_midway_is_bitwise(pool2, tmp_path, case):
     ranks = torch.load(os.path.join(tmp_path, "midway.ckpt"))["ssfusion_engine"]["ranks"]
     mid_accumulation = save_after % accumulate != 0
     assert all((state["accumulated"] is not None) == mid_accumulation for state in ranks)
+
+
+def test_momentum_correction_saved_while_handed_off_resumes_with_its_momentum_in_one_place(pool2, tmp_path):
+    """memory="dgc" saved while DDP's reducer runs the steps: the checkpoint's SGD holds the momentum
+    and its memory none. The resumed run takes the momentum back into the memory for its one engine
+    round, then hands it to the SGD again, so it ends where the straight run ends, to rounding (that
+    round averages each rank's momentum x buffer + gradient, DDP's the gradients)."""
+    kwargs = dict(sparsifier="none", memory="dgc", fusion="ahead", comm="allreduce", offload="none", buffer_mb=25.0)
+    for (p1, s1), (p2, s2) in pool2.run(midway_run, str(tmp_path), kwargs, 5, 12, 1):
+        torch.testing.assert_close(p2, p1, rtol=1e-5, atol=1e-7)
+        assert s1["step"] == s2["step"] and s1["memory"]["momenta"] == {} == s2["memory"]["momenta"]
+    saved = torch.load(os.path.join(tmp_path, "midway.ckpt"))
+    assert all(state["memory"]["momenta"] == {} for state in saved["ssfusion_engine"]["ranks"])
+    assert saved["optimizer_states"][0]["param_groups"][0]["momentum"] == 0.9

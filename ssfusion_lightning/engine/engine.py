@@ -262,6 +262,7 @@ class FusionEngine:
         self._held_owed: list[dict[str, Tensor]] | None = None
         #: DDP's ring all-reduce of every gradient, the traffic of a handed-off step (set by ``hand_off``)
         self._handed_off_bytes = 0
+        self._memory_to_optimizer = self._memory_from_optimizer = False  # see hand_off and take_back
         self._step_mark: float | None = None  # where the last round's bookkeeping ended: step times
         self.target_density = sparsifier.density
         self._built_plans: list[tuple[tuple[Any, ...], Plan]] = []
@@ -372,6 +373,8 @@ class FusionEngine:
         return self._profiler is not None and self._profile_start <= self.step < self._profile_end
 
     def begin_backward(self) -> None:
+        if self._memory_from_optimizer:
+            self.take_memory_from_optimizer()
         self.timeline.step = self.step
         self.timeline.mark("backward.begin")
         held = self._accumulated.put_back(self.names, self.params)
@@ -767,8 +770,8 @@ class FusionEngine:
 
         True between rounds when nothing but the plan trial can change the plan (profiling, the
         rebuild from the ready order, the dense warm-up and the density warm-up are over), the plan
-        sparsifies nothing and has no sparse-gradient buffer, and the memory sends a dense gradient
-        unchanged and owes nothing. The trial's sparse windows have sparse plans, and a trial that
+        sparsifies nothing and has no sparse-gradient buffer, and the memory owes nothing and sends a
+        dense gradient unchanged or has an optimizer that can take its state (``Memory.ddp_can_take_over``). The trial's sparse windows have sparse plans, and a trial that
         has not started cannot start on a plan with nothing sparse; its dense window (whose owed
         state it sets aside) qualifies, and then measures DDP's reducer, the dense step a hand-off
         would give. The same on every rank: each input is agreed or a function of the step."""
@@ -783,7 +786,7 @@ class FusionEngine:
             and self.step >= self.config.warmup_steps
             and self.sparsifier.density == self.target_density
             and self.config.density_warmup.density(self.step, self.target_density) == self.target_density
-            and self.memory.dense_as_is
+            and self.memory.ddp_can_take_over
             and not any(self.memory.owed_states())
         )
 
@@ -796,6 +799,30 @@ class FusionEngine:
         self._decode_storage.clear()
         total = sum(p.numel() * p.element_size() for p in self.params)
         self._handed_off_bytes = int(ring_allreduce_bytes(total, self.world_size))
+        # this round's optimizer step still applies what the memory sent: its state moves to the
+        # optimizer at the next round, before that round's step
+        self._memory_to_optimizer = not self.memory.dense_as_is
+
+    def take_back(self) -> None:
+        """Synchronize the gradients again after ``hand_off``. What the memory handed to the
+        optimizer comes back before the next backward, after this round's optimizer step used it."""
+        self.attach()
+        self._memory_from_optimizer = not self.memory.dense_as_is
+
+    def take_memory_from_optimizer(self) -> bool:
+        """Move the state ``Memory.hand_to_optimizer`` gave the optimizer back into the memory (also
+        for a loaded checkpoint whose optimizer holds it). True where something moved."""
+        self._memory_from_optimizer = False
+        return self.memory.take_from_optimizer(dict(zip(self.names, self.params)))
+
+    def _average_over_ranks_(self, tensors: list[Tensor]) -> None:
+        """Average ``tensors`` in place over the ranks as a dense round does (scaled by 1/P, then
+        summed), in one message on the first channel's group (idle between rounds)."""
+        if not tensors:
+            return
+        flat = torch.cat([tensor.reshape(-1) for tensor in tensors]).mul_(1.0 / self.world_size)
+        self._settle(self.channels[0].submit(lambda group: dist.all_reduce(flat, group=group)), "hand-off to DDP")
+        torch._foreach_copy_(tensors, [piece.view_as(tensor) for piece, tensor in zip(flat.split([t.numel() for t in tensors]), tensors)])
 
     def handed_off_step(self) -> StepMetrics:
         """A step DDP's reducer synchronized after ``hand_off``: counted, with the traffic of its ring
@@ -804,6 +831,9 @@ class FusionEngine:
         timed for the plan trial's dense window, which may end here on another plan (then
         ``ddp_can_run`` is False and the engine's hooks must come back). Its exposed communication is
         not measured: DDP waits for it inside the backward."""
+        if self._memory_to_optimizer:
+            self._memory_to_optimizer = False
+            self.memory.hand_to_optimizer(dict(zip(self.names, self.params)), self._average_over_ranks_)
         self._accumulated.pending = False
         elapsed = None if self._step_mark is None else time.perf_counter() - self._step_mark
         ring = self._handed_off_bytes

@@ -27,7 +27,7 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -131,6 +131,24 @@ class Memory(ABC):
     def set_world_size(self, world_size: int) -> None:
         """The number of ranks whose gradients are summed (the engine's, set once)."""
         return None
+
+    @property
+    def ddp_can_take_over(self) -> bool:
+        """Whether DDP's reducer can run this memory's dense rounds once nothing is owed: its dense
+        slots send the gradient as it is (``dense_as_is``), or what they send instead the optimizer
+        can compute from the averaged gradient once it has this memory's state (``hand_to_optimizer``)."""
+        return self.dense_as_is
+
+    def hand_to_optimizer(self, params: Mapping[str, Tensor], average_: Callable[[list[Tensor]], None]) -> None:
+        """DDP's reducer runs the dense rounds from the next optimizer step on: what this memory keeps
+        for them moves to the optimizer. ``params``: key -> parameter; ``average_`` averages tensors
+        in place over the ranks (a collective: every rank calls this at the same step)."""
+        return None
+
+    def take_from_optimizer(self, params: Mapping[str, Tensor]) -> bool:
+        """The engine's hooks run the rounds again, or a checkpoint was loaded whose optimizer holds
+        this memory's state: take back what ``hand_to_optimizer`` moved. True where something moved."""
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -534,6 +552,12 @@ class DGCMemory(LocallyClipped, Memory):
     A dense slot (selective/partial plans, warm-up) gets the same optimizer semantics: it sends
     v + u with u <- momentum * u + g and keeps u unmasked, so with every position sent each round
     this is momentum SGD, momentum applied once and never lost; v is flushed and dropped.
+
+    A plan with every tensor dense is then momentum SGD on the ranks' averaged u, which the SGD
+    whose momentum this memory took computes itself from DDP's averaged gradient once its buffer is
+    that average: ``hand_to_optimizer`` moves it there and gives the groups their momentum back,
+    ``take_from_optimizer`` moves the buffers back. Weight decay then sits inside the momentum, as
+    in torch's SGD (here it is added after, by the optimizer with momentum 0).
     """
 
     dense_as_is = False
@@ -549,18 +573,86 @@ class DGCMemory(LocallyClipped, Memory):
         self.velocities: dict[str, Tensor] = {}
         self._clip_factors: dict[str, float] = {}  # taken by compensate, reused by the update that commits
         self._flat = _FlatStates()
+        # (optimizer, index of a parameter group) whose momentum moved here: by index, because
+        # loading the optimizer's state replaces its group dicts
+        self._taken: list[tuple[torch.optim.Optimizer, int]] = []
+        self._optimizer_steps_every_tensor = False
 
-    def take_momentum_from(self, optimizers: Sequence[torch.optim.Optimizer]) -> float | None:
+    def take_momentum_from(self, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor] = ()) -> float | None:
         """Momentum correction replaces an SGD optimizer's momentum (applied twice otherwise: once
         here, once in the optimizer): the momentum of the SGD parameter groups that have one moves
-        here, and theirs becomes 0. Returns it, or None when no group had momentum."""
+        here, and theirs becomes 0. Returns it, or None when no group had momentum. ``params``: the
+        tensors this memory keeps momentum for; where those groups hold every one of them, the
+        momentum can move back for DDP's reducer (``ddp_can_take_over``)."""
         momentum = sgd_momentum(optimizers)
         if momentum is None:
             return None
         self.momentum = momentum
-        for group in _momentum_groups(optimizers):
+        self._taken = [
+            (optimizer, index)
+            for optimizer in optimizers if isinstance(optimizer, torch.optim.SGD)
+            for index, group in enumerate(optimizer.param_groups) if group.get("momentum")
+        ]
+        for _, group in self._taken_groups():
             group["momentum"] = 0.0
+        stepped = {id(param) for _, group in self._taken_groups() for param in group["params"]}
+        self._optimizer_steps_every_tensor = bool(params) and all(id(param) in stepped for param in params)
         return self.momentum
+
+    def _taken_groups(self) -> list[tuple[torch.optim.Optimizer, dict[str, Any]]]:
+        return [(optimizer, optimizer.param_groups[index]) for optimizer, index in self._taken]
+
+    @property
+    def ddp_can_take_over(self) -> bool:
+        """The SGD whose momentum this memory took steps every tensor, and no local clipping (DDP's
+        reducer sums the gradients unclipped)."""
+        return self._optimizer_steps_every_tensor and self.clip_norm is None
+
+    def hand_to_optimizer(self, params: Mapping[str, Tensor], average_: Callable[[list[Tensor]], None]) -> None:
+        """Each rank's u holds its own gradients, and a dense round sends their average: that average
+        becomes each tensor's SGD momentum buffer, the groups get their momentum back, and this memory
+        keeps none (a checkpoint holds the momentum in one place). A tensor without u gets no buffer:
+        torch's SGD starts it from its first gradient, as a fresh u here would."""
+        keys = [key for key in params if key in self.momenta]
+        momenta = [self.momenta[key] for key in keys]
+        average_(momenta)
+        groups = self._taken_groups()
+        owner = {id(param): optimizer for optimizer, group in groups for param in group["params"]}
+        for _, group in groups:
+            group["momentum"] = self.momentum
+        for param in params.values():
+            optimizer = owner.get(id(param))
+            if optimizer is not None:
+                optimizer.state[param].pop("momentum_buffer", None)
+        for key, momentum in zip(keys, momenta):
+            owner[id(params[key])].state[params[key]]["momentum_buffer"] = momentum
+        self.momenta.clear()
+        self._flat.clear()
+
+    def take_from_optimizer(self, params: Mapping[str, Tensor]) -> bool:
+        """The SGD's buffers (the same on every rank: DDP's reducer averaged what they were built
+        from) become each rank's u, and its groups' momentum 0 again. Also after loading a checkpoint
+        of a run handed to DDP, or of plain DDP: the optimizer's momentum is then its own again."""
+        groups = self._taken_groups()
+        momenta = {float(group["momentum"]) for _, group in groups} - {0.0}
+        if not momenta:
+            return False
+        if len(momenta) > 1:
+            raise ValueError(
+                f"memory='dgc' takes the optimizer's momentum back, but its parameter groups now use different momenta "
+                f"{sorted(momenta)}; use one momentum for every group, or memory='residual'"
+            )
+        self.momentum = momenta.pop()
+        owner = {id(param): optimizer for optimizer, group in groups for param in group["params"]}
+        for key, param in params.items():
+            optimizer = owner.get(id(param))
+            buffer = None if optimizer is None else optimizer.state[param].pop("momentum_buffer", None)
+            if buffer is not None:
+                self.momenta[key] = buffer.detach().contiguous()
+        for _, group in groups:
+            group["momentum"] = 0.0
+        self._flat.clear()
+        return True
 
     def untaken_momentum(self, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
         """The warning for when ``take_momentum_from`` found no momentum to take over and this memory
