@@ -488,10 +488,12 @@ class SSFusionStrategy(DDPStrategy):
             clip_norm = _norm_clipping(trainer)
             refused = self._adam_refused(trainer, clipping_taken=clip_norm is not None)
             choice = choose_memory(self.optimizers, self.memory_options, refused, clip_norm)
-            if "clip_norm" in choice.options:
+            memory = MEMORIES.build(choice.name, **choice.options)
+            if "clip_norm" in choice.options:  # see _clipping_follows_the_memory
                 self._taken_clipping = (trainer, trainer.gradient_clip_val)
                 trainer.gradient_clip_val = None
-            self.engine.set_memory(MEMORIES.build(choice.name, **choice.options))
+                memory.clipping_returns_to_trainer = True
+            self.engine.set_memory(memory)
             log.info("ssfusion: memory='auto' picked %r with %s (%s)", choice.name, choice.options or "its defaults", choice.reason)
             self._restore_pending_engine_state()
         memory = self.engine.memory if self.engine is not None else None
@@ -533,7 +535,7 @@ class SSFusionStrategy(DDPStrategy):
         if refused is not None:
             raise ValueError(refused)
         replaced = self.optimizers
-        replacements = memory.take_over(replaced)
+        replacements = memory.take_over(replaced, self.engine.params)
         for config in self.lr_scheduler_configs:
             for old, new in zip(replaced, replacements):
                 if config.scheduler.optimizer is old:
@@ -548,10 +550,15 @@ class SSFusionStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        # the optimizer's state is loaded by now: a checkpoint of a run handed to DDP's reducer (or of
-        # plain DDP) holds the momentum correction's momentum in the SGD, which steps without it here
-        if self.engine is not None and self.engine.take_memory_from_optimizer():
-            log.info("ssfusion: the optimizer's momentum buffers from the checkpoint are the momentum correction's again")
+        # the checkpoint is loaded by now: a run saved while DDP's reducer ran the rounds goes on under it
+        # from the first step, with the optimizer holding what the memory handed it. Elsewhere what the
+        # loaded optimizer holds of the memory's (momentum correction's momentum after plain DDP too) is
+        # the memory's again.
+        if self.engine is not None and self.ddp_handoff and self.engine.ddp_can_run and self._may_hand_off():
+            self._hand_off_to_ddp()
+        elif self.engine is not None and self.engine.take_memory_from_optimizer():
+            log.info("ssfusion: the momentum or moments the checkpoint's optimizer holds are the memory's again")
+        self._clipping_follows_the_memory()
         if self.engine is not None and self.density_warmup_epochs:
             steps = self._steps_per_epoch() * self.density_warmup_epochs
             self.engine.set_density_warmup(DensityWarmup(max(1, round(steps)), self.density_warmup_stages))
@@ -643,6 +650,7 @@ class SSFusionStrategy(DDPStrategy):
             super().pre_backward(closure_loss)
         if self.engine is not None:  # handed off too: a checkpoint between micro-batches keeps their sums
             self.engine.begin_backward()
+            self._clipping_follows_the_memory()
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -650,6 +658,7 @@ class SSFusionStrategy(DDPStrategy):
             return
         if self.handed_off:
             self.last_metrics = self.engine.handed_off_step()
+            self._clipping_follows_the_memory()
             if not self.engine.ddp_can_run:  # the plan trial's dense window ended on another plan
                 self._take_back_from_ddp()
         else:
@@ -657,6 +666,14 @@ class SSFusionStrategy(DDPStrategy):
             if self.ddp_handoff and self.engine.ddp_can_run and self._may_hand_off():
                 self._hand_off_to_ddp()
         self._log_metrics(self.last_metrics)
+
+    def _clipping_follows_the_memory(self) -> None:
+        """memory="auto" made the Trainer's clipping the memory's (each rank's gradient, before its
+        moments): while the optimizer holds the memory's state (DDP's reducer runs the rounds), the
+        Trainer clips the averaged gradient again, as it was asked to."""
+        if self._taken_clipping is not None and self.engine is not None:
+            trainer, value = self._taken_clipping
+            trainer.gradient_clip_val = value if self.engine.memory.in_optimizer else None
 
     @property
     def handed_off(self) -> bool:

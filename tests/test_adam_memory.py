@@ -282,9 +282,12 @@ def adam_run(kwargs: dict, steps: int = 8, **trainer_kwargs):
     return params, type(optimizer).__name__, optimizer.param_groups[0]["lr"], batches.seen
 
 
-def averaged_adam_reference(batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+def averaged_adam_reference(
+    batches: list[list[tuple[torch.Tensor, torch.Tensor]]], handed_from: int | None = None
+) -> dict[str, torch.Tensor]:
     """By hand: every rank's Adam update from its own batches (``batches[rank][step]``), the updates
-    averaged, applied with the schedule's rate and AdamW's decoupled decay."""
+    averaged, applied with the schedule's rate and AdamW's decoupled decay. From step ``handed_from``
+    on (DDP's reducer), AdamW on the averaged gradient, its moments starting from the ranks' averaged."""
     L.seed_everything(0, verbose=False)
     model = Regressor(optimizer="adamw", lr=0.01)
     world, steps = len(batches), len(batches[0])
@@ -292,15 +295,24 @@ def averaged_adam_reference(batches: list[list[tuple[torch.Tensor, torch.Tensor]
     moments = [{n: (0.0, 0.0) for n, _ in trained} for _ in range(world)]
     for step in range(steps):
         updates = []
+        grads = []
         for rank in range(world):
             x, y = batches[rank][step]
             model.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
+            grads.append({name: param.grad.clone() for name, param in trained})
+        if step == handed_from:
+            averaged = {n: tuple(sum(moments[r][n][i] for r in range(world)) / world for i in (0, 1)) for n, _ in trained}
+            moments = [averaged] * world
+        if handed_from is not None and step >= handed_from:
+            grads = [{n: sum(g[n] for g in grads) / world for n, _ in trained}] * world
+        for rank in range(world):
             update, t = {}, step + 1
             for name, param in trained:
+                grad = grads[rank][name]
                 m, v = moments[rank][name]
-                m, v = 0.9 * m + 0.1 * param.grad, 0.999 * v + 0.001 * param.grad**2
-                moments[rank][name] = (m, v)
+                m, v = 0.9 * m + 0.1 * grad, 0.999 * v + 0.001 * grad**2
+                moments[rank] = {**moments[rank], name: (m, v)}
                 update[name] = (m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + EPS)
             updates.append(update)
         lr = 0.01 / (1 + step)
@@ -311,15 +323,19 @@ def averaged_adam_reference(batches: list[list[tuple[torch.Tensor, torch.Tensor]
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def dense_adam_against_reference():
-    params, optimizer, lr, seen = adam_run(dict(ADAM, sparsifier="none", comm="allreduce"))
+def dense_adam_against_reference(ddp_handoff: bool):
+    params, optimizer, lr, seen = adam_run(dict(ADAM, sparsifier="none", comm="allreduce", ddp_handoff=ddp_handoff))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, seen)
-    return params, optimizer, lr, averaged_adam_reference(everyone)
+    return params, optimizer, lr, averaged_adam_reference(everyone, handed_from=1 if ddp_handoff else None)
 
 
-def test_dense_slots_apply_the_ranks_averaged_adam_update(pool2):
-    for params, optimizer, lr, reference in pool2.run(dense_adam_against_reference):
+@pytest.mark.parametrize("ddp_handoff", [False, True], ids=["engine", "handed-to-ddp"])
+def test_dense_slots_apply_the_ranks_averaged_adam_update(pool2, ddp_handoff):
+    """The engine's dense rounds send each rank's Adam update. With the hand-off, DDP's reducer runs the
+    rounds after the first, and the replaced AdamW steps on the averaged gradient from the ranks'
+    averaged moments on: the schedule keeps acting on the same groups either way."""
+    for params, optimizer, lr, reference in pool2.run(dense_adam_against_reference, ddp_handoff):
         assert optimizer == "AveragedUpdate"
         assert lr == pytest.approx(0.01 / 9)  # the schedule stepped 8 times on the replacement
         for name in reference:
@@ -370,3 +386,56 @@ def test_the_clip_suggested_is_dgcs_local_clipping():
     clipped = grad * (0.5 / 20.0)
     assert torch.equal(memory.compensate_dense("w", grad), build_memory("adam").compensate_dense("w", clipped))
     assert math.isclose(float(torch.linalg.vector_norm(clipped)), 0.5)
+
+
+def test_the_moments_move_to_the_replaced_adamw_and_back():
+    """One rank: the memory's dense rounds (steps 0-3), then the replaced AdamW stepping on the raw
+    gradients with the moments handed to it (4-7), then the memory's rounds with the moments taken
+    back (8-11) are torch's AdamW all along; the replacement's state holds the moments in between."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).double()
+    twin = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).double()
+    twin.load_state_dict(model.state_dict())
+    reference = torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.1, foreach=False)
+    memory = build_memory("adam")
+    (ours,) = memory.take_over([torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)], list(model.parameters()))
+    assert memory.ddp_can_take_over
+    params = dict(model.named_parameters())
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    for step in range(12):
+        if step == 4:
+            memory.hand_to_optimizer(params, lambda tensors: None)  # one rank: the average is the tensor
+            assert ours.steps_adam and memory.first_moments == {} and memory.steps == {}
+            assert {int(state["step"]) for state in ours.state.values()} == {4}
+        if step == 8:
+            assert memory.take_from_optimizer(params) and not ours.steps_adam and not ours.state
+            assert set(memory.steps.values()) == {8} and not memory.take_from_optimizer(params)
+        for module in (model, twin):
+            module.zero_grad()
+            nn.functional.mse_loss(module(x), y).backward()
+        if not ours.steps_adam:
+            for name, param in model.named_parameters():
+                update = memory.compensate_dense(name, param.grad)
+                memory.settle_dense(name, param.grad)
+                param.grad = update
+        ours.step()
+        reference.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_loaded_replacement_steps_adam_where_its_state_holds_moments():
+    """A checkpoint written while DDP's reducer ran the rounds: the loaded replacement holds the moments
+    (so it steps Adam, until the memory takes them back) and shares its new state and groups with the
+    optimizer it replaced."""
+    param = nn.Parameter(torch.ones(3))
+    saved = build_memory("adam")
+    (first,) = saved.take_over([torch.optim.AdamW([param], lr=0.1)], [param])
+    saved.settle_dense("w", torch.ones(3))
+    saved.hand_to_optimizer({"w": param}, lambda tensors: None)
+    memory = build_memory("adam")
+    (second,) = memory.take_over([torch.optim.AdamW([param], lr=0.1)], [param])
+    second.load_state_dict(first.state_dict())
+    assert second.steps_adam and second.replaced.state is second.state and second.replaced.param_groups is second.param_groups
+    assert memory.take_from_optimizer({"w": param}) and memory.steps == {"w": 1}
+    assert torch.equal(memory.first_moments["w"], torch.full((3,), 0.1))

@@ -90,15 +90,17 @@ def fit_with_handoff(kind: str, ddp_name: str, engine_kwargs: dict, **trainer_kw
 def test_a_plan_dense_for_good_hands_the_gradients_to_ddps_reducer(pool2, kind, ddp_name, trainer_kwargs):
     """sparsifier none: once the first round has rebuilt the plan from the ready order nothing can change
     it, so from the next batch on DDP's reducer synchronizes (accumulation through its no_sync, unused
-    parameters through its own search) and the run still ends on DDP's parameters, to the bit. After
-    fit the model is unwrapped again."""
-    engine_kwargs = dict(DENSE, ddp_handoff=True, find_unused_parameters=ddp_name.endswith("true"))
+    parameters through its own search) and the run still ends on DDP's parameters, to the bit. With
+    find_unused_parameters there is no ready order to rebuild the plan from, so DDP's reducer runs
+    from the first batch. After fit the model is unwrapped again."""
+    unused = ddp_name.endswith("true")
+    engine_kwargs = dict(DENSE, ddp_handoff=True, find_unused_parameters=unused)
     out = pool2.run(fit_with_handoff, kind, ddp_name, engine_kwargs, **trainer_kwargs)
     assert_bitwise_equal([pair for pair, _, _, _ in out])
-    per_step = 2 if trainer_kwargs.get("accumulate_grad_batches") else 1
+    engine_batches = 0 if unused else 2 if trainer_kwargs.get("accumulate_grad_batches") else 1
     for _, handed, after_fit, metrics in out:
         # the first synchronized round is the engine's; every later batch runs under DDP
-        assert handed == [False] * per_step + [True] * (len(handed) - per_step)
+        assert handed == [False] * engine_batches + [True] * (len(handed) - engine_batches)
         assert not after_fit
         assert metrics.dense_tensors > 0 and metrics.bytes_sent == metrics.dense_equivalent_bytes > 0
 

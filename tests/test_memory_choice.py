@@ -162,3 +162,31 @@ def test_clipping_by_value_keeps_the_trainers_and_takes_residual(pool2):
     for result in pool2.run(auto_with_the_trainers_clipping, "value"):
         auto = result["auto"]
         assert auto["memory"] == "ResidualMemory" and auto["clip_during"] == auto["clip_after"] == 0.5
+
+
+def clipping_per_step_with_the_hand_off() -> dict:
+    """memory='auto' with AdamW, the Trainer clipping by norm at 0.5, nothing sparse: per step whether
+    DDP's reducer ran it and the clipping the Trainer applied before the optimizer's step."""
+    L.seed_everything(0, verbose=False)
+    strategy = ssf.SSFusionStrategy(sparsifier="none", fusion="ahead", comm="allreduce", offload="none", memory="auto")
+    steps: list[tuple[bool, float | None, bool]] = []
+
+    class Clipping(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.handed_off = strategy.handed_off
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):  # Lightning clips right after this
+            steps.append((self.handed_off, trainer.gradient_clip_val, optimizer.steps_adam))
+
+    trainer = make_trainer(strategy, 5, callbacks=[Clipping()], gradient_clip_val=0.5)
+    trainer.fit(Regressor(optimizer="adamw", lr=0.01), DataLoader(regression_data(), batch_size=16))
+    return {"steps": steps, "after": trainer.gradient_clip_val}
+
+
+def test_the_trainer_clips_again_while_ddps_reducer_runs_the_rounds(pool2):
+    """The engine's first round clips each rank's gradient before its moments (the Trainer's clipping
+    off); from the next round DDP's reducer sums the gradients and the replaced AdamW steps on them,
+    and the Trainer clips their average at 0.5 again, as it was asked to."""
+    for result in pool2.run(clipping_per_step_with_the_hand_off):
+        assert result["steps"] == [(False, None, False)] + [(True, 0.5, True)] * 4
+        assert result["after"] == 0.5

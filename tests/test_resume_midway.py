@@ -62,7 +62,8 @@ CASES = {
     "mid-second-epoch-dgc-aligned-thread-offload": (dict(sparsifier="dgc", fusion="aligned", comm="hybrid", offload="thread"), 11, 16, 1),
     "mid-accumulation-randomk-behind-allreduce": (dict(sparsifier="randomk", fusion="behind", comm="allreduce"), 7, 8, 2),
     "mid-accumulation-threshold-reuse-aligned-oktopk": (dict(sparsifier="threshold_reuse", fusion="aligned", comm="oktopk"), 7, 8, 2),
-    # saved while DDP's reducer runs the steps: the resumed run takes one engine round, then hands off again
+    # saved while DDP's reducer runs the steps: the resumed run goes on under it from its first step
+    # (mid-accumulation too: the saved local sums are put back into the gradients DDP's no_sync piles up)
     "mid-epoch-handed-off-to-ddp": (dict(sparsifier="none", fusion="ahead", comm="allreduce"), 5, 12, 1),
     "mid-accumulation-handed-off-to-ddp": (dict(sparsifier="none", fusion="ahead", comm="allreduce"), 7, 8, 2),
 }
@@ -87,15 +88,19 @@ def test_resume_midway_is_bitwise(pool2, tmp_path, case):
     assert all((state["accumulated"] is not None) == mid_accumulation for state in ranks)
 
 
-def test_momentum_correction_saved_while_handed_off_resumes_with_its_momentum_in_one_place(pool2, tmp_path):
-    """memory="dgc" saved while DDP's reducer runs the steps: the checkpoint's SGD holds the momentum
-    and its memory none. The resumed run takes the momentum back into the memory for its one engine
-    round, then hands it to the SGD again, so it ends where the straight run ends, to rounding (that
-    round averages each rank's momentum x buffer + gradient, DDP's the gradients)."""
-    kwargs = dict(sparsifier="none", memory="dgc", fusion="ahead", comm="allreduce", offload="none", buffer_mb=25.0)
+@pytest.mark.parametrize("memory, state, optimizer_holds", [("dgc", "momenta", "momentum"), ("adam", "first_moments", "exp_avg")])
+def test_a_memory_saved_while_handed_off_resumes_with_its_state_in_one_place(pool2, tmp_path, memory, state, optimizer_holds):
+    """memory="dgc" or "adam" saved while DDP's reducer runs the steps: the checkpoint's optimizer holds
+    the memory's momentum or moments, and its memory none. The resumed run goes on under DDP's reducer
+    from its first step, the optimizer's state where it was: the straight run's trajectory, to the bit."""
+    kwargs = dict(sparsifier="none", memory=memory, fusion="ahead", comm="allreduce", offload="none", buffer_mb=25.0)
     for (p1, s1), (p2, s2) in pool2.run(midway_run, str(tmp_path), kwargs, 5, 12, 1):
-        torch.testing.assert_close(p2, p1, rtol=1e-5, atol=1e-7)
-        assert s1["step"] == s2["step"] and s1["memory"]["momenta"] == {} == s2["memory"]["momenta"]
+        assert torch.equal(p1, p2)
+        assert s1["step"] == s2["step"] and s1["memory"][state] == {} == s2["memory"][state]
     saved = torch.load(os.path.join(tmp_path, "midway.ckpt"))
-    assert all(state["memory"]["momenta"] == {} for state in saved["ssfusion_engine"]["ranks"])
-    assert saved["optimizer_states"][0]["param_groups"][0]["momentum"] == 0.9
+    assert all(rank["memory"][state] == {} for rank in saved["ssfusion_engine"]["ranks"])
+    optimizer = saved["optimizer_states"][0]
+    if memory == "dgc":
+        assert optimizer["param_groups"][0]["momentum"] == 0.9
+    else:
+        assert optimizer["state"] and all(optimizer_holds in param_state for param_state in optimizer["state"].values())

@@ -28,7 +28,7 @@ the sent entries to 3.7 steps and the loss after 300 steps from 2.79-2.94 to 2.4
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -53,22 +53,44 @@ _PLAIN_ADAM = {"amsgrad": False, "maximize": False}
 class AveragedUpdate(torch.optim.SGD):
     """The step that applies the ranks' averaged Adam update held in ``.grad``:
     p <- p - lr * (update + weight_decay * p), which is AdamW's decoupled decay
-    p (1 - lr wd) - lr update. Built over the replaced optimizer's parameter groups themselves."""
+    p (1 - lr wd) - lr update. Built over the replaced optimizer's parameter groups themselves.
+
+    While DDP's reducer runs the dense rounds (``AdamMemory.hand_to_optimizer``), ``.grad`` holds the
+    averaged gradient and this step is the replaced optimizer's own, with the moments in this
+    optimizer's state (the replaced one shares its state and groups), so a checkpoint holds them."""
 
     def __init__(self, replaced: torch.optim.Optimizer) -> None:
         for group in replaced.param_groups:
             group.update(momentum=0.0, dampening=0.0, nesterov=False)
         super().__init__(replaced.param_groups, lr=replaced.defaults["lr"])
         self.replaced_name = type(replaced).__name__
+        self.replaced = replaced
+        self.replaced.state = self.state
+        #: the gradients are averaged gradients, not averaged updates: the step is the replaced one's
+        self.steps_adam = False
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         # an LR scheduler moved over from the replaced optimizer checks, at its first step, that the
         # optimizer stepped first, through what its wrapper of ``step`` records: this step records it
         self._opt_called = True
-        return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()  # the hand-off to DDP's reducer happens in the backward
+        if self.steps_adam:
+            self.replaced.step()
+        else:
+            super().step()
+        return loss
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # loading replaces the state and the group dicts: the replaced optimizer shares the new ones
+        super().load_state_dict(state_dict)
+        self.replaced.state, self.replaced.param_groups = self.state, self.param_groups
+        self.steps_adam = any("exp_avg" in state for state in self.state.values())
 
 
 def adam_settings(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[float, float], float]:
@@ -118,7 +140,10 @@ class AdamMemory(LocallyClipped, Memory):
     at feedback 1, sent + r == the compensated tensor exactly.
 
     A dense slot sends u + r whole and keeps no residual: every position sent every round is
-    local-moment Adam, its moments never lost.
+    local-moment Adam, its moments never lost. Where DDP's reducer takes such rounds over
+    (``hand_to_optimizer``), the ranks' averaged moments become the replaced optimizer's, which then
+    steps on the averaged gradient: the first moment is the same average, the second the average of
+    the ranks' squares, which exceeds the square of the averaged gradient by the ranks' spread.
     """
 
     dense_as_is = False
@@ -134,14 +159,79 @@ class AdamMemory(LocallyClipped, Memory):
         self.steps: dict[str, int] = {}
         self.residuals: dict[str, Tensor] = {}
         self._clip_factors: dict[str, float] = {}
+        self._replacements: list[AveragedUpdate] = []
+        self._optimizer_steps_every_tensor = False
 
     # ------------------------------------------------------------ the optimizer
-    def take_over(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[AveragedUpdate]:
+    def take_over(self, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor] = ()) -> list[AveragedUpdate]:
         """This memory computes the Adam step of every optimizer in ``optimizers`` (Adam or AdamW,
         one pair of betas and one eps): their betas and eps move here, and each one's replacement
-        (``AveragedUpdate``) is returned, in order."""
+        (``AveragedUpdate``) is returned, in order. ``params``: the tensors this memory keeps moments
+        for; where the replacements step every one, DDP's reducer may take the dense rounds over
+        (``ddp_can_take_over``)."""
         self.betas, self.eps = adam_settings(optimizers)
-        return [AveragedUpdate(opt) for opt in optimizers]
+        self._replacements = [AveragedUpdate(opt) for opt in optimizers]
+        stepped = {id(param) for update in self._replacements for group in update.param_groups for param in group["params"]}
+        self._optimizer_steps_every_tensor = bool(params) and all(id(param) in stepped for param in params)
+        return list(self._replacements)
+
+    @property
+    def ddp_can_take_over(self) -> bool:
+        """The replaced optimizers step every tensor, and no clipping only this memory would do."""
+        return self._optimizer_steps_every_tensor and not self.clips_only_here
+
+    @property
+    def in_optimizer(self) -> bool:
+        return any(update.steps_adam for update in self._replacements)
+
+    def _owners(self) -> dict[int, tuple[AveragedUpdate, dict[str, Any]]]:
+        """id(parameter) -> the replacement that steps it, and its group there."""
+        return {
+            id(param): (update, group) for update in self._replacements for group in update.param_groups for param in group["params"]
+        }
+
+    def hand_to_optimizer(self, params: Mapping[str, Tensor], average_: Callable[[list[Tensor]], None]) -> None:
+        """The ranks' averaged moments (and the step count, the same on every rank) become the replaced
+        optimizer's state, which from this round on steps on DDP's averaged gradient; this memory keeps
+        none. A tensor without moments gets none: the optimizer starts them as a fresh key here would.
+        Nothing moves where the optimizer steps Adam already (a run resumed from a checkpoint written
+        while handed off)."""
+        if self.in_optimizer:
+            return
+        keys = [key for key in params if key in self.first_moments]
+        average_([self.first_moments[key] for key in keys] + [self.second_moments[key] for key in keys])
+        owners = self._owners()
+        for key in keys:
+            param = params[key]
+            owner, group = owners[id(param)]
+            # where torch's Adam keeps the count: on the parameter's device for its capturable and fused steps
+            on_param = group.get("capturable") or group.get("fused")
+            owner.state[param] = {
+                "step": torch.tensor(float(self.steps[key]), dtype=_scalar_dtype(), device=param.device if on_param else None),
+                "exp_avg": self.first_moments[key],
+                "exp_avg_sq": self.second_moments[key],
+            }
+        for update in self._replacements:
+            update.steps_adam = True
+        self.reset()
+
+    def take_from_optimizer(self, params: Mapping[str, Tensor]) -> bool:
+        """The replaced optimizer's moments (the same on every rank) become each rank's here, and the
+        replacements apply averaged updates again. Also after loading a checkpoint written while DDP's
+        reducer ran the rounds."""
+        if not self.in_optimizer:
+            return False
+        owners = self._owners()
+        for key, param in params.items():
+            owner = owners.get(id(param))
+            state = None if owner is None else owner[0].state.pop(param, None)
+            if state and "exp_avg" in state:
+                self.first_moments[key] = state["exp_avg"].detach().contiguous()
+                self.second_moments[key] = state["exp_avg_sq"].detach().contiguous()
+                self.steps[key] = int(state["step"])
+        for update in self._replacements:
+            update.steps_adam = False
+        return True
 
     # ------------------------------------------------------------ one round
     def _fresh(self, key: str, grad: Tensor) -> bool:
@@ -254,6 +344,11 @@ SCALED_GRADIENTS_REFUSED = (
     "memory='adam' takes unscaled gradients, but fp16 mixed precision's GradScaler scales them; "
     "use precision='bf16-mixed' or '32-true' with memory='adam'"
 )
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype torch's Adam keeps its step count in off the parameter's device."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def _refuse_scale(loss_scale: Tensor | None) -> None:

@@ -139,6 +139,11 @@ class Memory(ABC):
         can compute from the averaged gradient once it has this memory's state (``hand_to_optimizer``)."""
         return self.dense_as_is
 
+    @property
+    def in_optimizer(self) -> bool:
+        """Whether the optimizer holds this memory's state (``hand_to_optimizer``)."""
+        return False
+
     def hand_to_optimizer(self, params: Mapping[str, Tensor], average_: Callable[[list[Tensor]], None]) -> None:
         """DDP's reducer runs the dense rounds from the next optimizer step on: what this memory keeps
         for them moves to the optimizer. ``params``: key -> parameter; ``average_`` averages tensors
@@ -227,6 +232,14 @@ class LocallyClipped:
     clip_norm: float | None
     world_size: int
     _clip_factors: dict[str, float]  # taken by compensate, reused by the update that commits
+    #: the clipping is the Trainer's, taken for the engine's rounds (memory="auto"): where DDP's
+    #: reducer runs the rounds, the Trainer clips the averaged gradient again (the strategy's part)
+    clipping_returns_to_trainer: bool = False
+
+    @property
+    def clips_only_here(self) -> bool:
+        """Local clipping nothing else would do under DDP's reducer, which sums unclipped gradients."""
+        return self.clip_norm is not None and not self.clipping_returns_to_trainer
 
     def set_world_size(self, world_size: int) -> None:
         self.world_size = world_size
@@ -604,15 +617,22 @@ class DGCMemory(LocallyClipped, Memory):
 
     @property
     def ddp_can_take_over(self) -> bool:
-        """The SGD whose momentum this memory took steps every tensor, and no local clipping (DDP's
-        reducer sums the gradients unclipped)."""
-        return self._optimizer_steps_every_tensor and self.clip_norm is None
+        """The SGD whose momentum this memory took steps every tensor, and no clipping only this
+        memory would do."""
+        return self._optimizer_steps_every_tensor and not self.clips_only_here
+
+    @property
+    def in_optimizer(self) -> bool:
+        return any(group["momentum"] for _, group in self._taken_groups())
 
     def hand_to_optimizer(self, params: Mapping[str, Tensor], average_: Callable[[list[Tensor]], None]) -> None:
         """Each rank's u holds its own gradients, and a dense round sends their average: that average
         becomes each tensor's SGD momentum buffer, the groups get their momentum back, and this memory
         keeps none (a checkpoint holds the momentum in one place). A tensor without u gets no buffer:
-        torch's SGD starts it from its first gradient, as a fresh u here would."""
+        torch's SGD starts it from its first gradient, as a fresh u here would. Nothing moves where
+        the SGD has its momentum already (a run resumed from a checkpoint written while handed off)."""
+        if self.in_optimizer:
+            return
         keys = [key for key in params if key in self.momenta]
         momenta = [self.momenta[key] for key in keys]
         average_(momenta)
@@ -633,10 +653,10 @@ class DGCMemory(LocallyClipped, Memory):
         """The SGD's buffers (the same on every rank: DDP's reducer averaged what they were built
         from) become each rank's u, and its groups' momentum 0 again. Also after loading a checkpoint
         of a run handed to DDP, or of plain DDP: the optimizer's momentum is then its own again."""
+        if not self.in_optimizer:
+            return False
         groups = self._taken_groups()
         momenta = {float(group["momentum"]) for _, group in groups} - {0.0}
-        if not momenta:
-            return False
         if len(momenta) > 1:
             raise ValueError(
                 f"memory='dgc' takes the optimizer's momentum back, but its parameter groups now use different momenta "
