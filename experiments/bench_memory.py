@@ -14,7 +14,8 @@ synthetic images; ``mlp_tiny`` (a 64-wide MLP) only serves the smoke test.
 Schemes: ``ddp`` (Lightning's DDPStrategy), ``ddp_powersgd_r1`` / ``_r4`` (PowerSGD hook with error
 feedback, rank 1 / 4, e2e_worker's HookedDDP), ``ssfusion_dense`` (the ssfusion preset with
 sparsifier "none"), the five presets (ssfusion, safusion, adtopk, zen, oktopk, density 0.01 as in
-the e2e benchmark) and ``ssfusion_dgc`` (the ssfusion preset with memory="dgc").
+the e2e benchmark; ssfusion with memory="residual") and ``ssfusion_dgc`` (the ssfusion preset with
+memory="dgc", which its memory="auto" picks for these SGD runs).
 
 Every run is a fresh pair of rank processes (peak RSS is per process): P = 2 on CPU, gloo over
 loopback (MASTER_ADDR=127.0.0.1, a free port, ``Trainer(num_nodes=2, devices=1)`` with NODE_RANK /
@@ -87,8 +88,9 @@ SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
     "ssfusion_dense": ("ssfusion_dense", {}),
     # the preset's comm="auto" sends a buffer dense where sparsifying does not pay, which on this
     # benchmark's unshaped loopback link is every buffer once the costs are measured: pinned sparse,
-    # so that the sparse path's memory is what is measured
-    "ssfusion": ("ssfusion", {"comm_options": {"dense_fallback": False}}),
+    # so that the sparse path's memory is what is measured; the residual memory, each scheme measuring
+    # one memory kind (the preset's memory="auto" picks dgc for these SGD runs: ssfusion_dgc)
+    "ssfusion": ("ssfusion", {"memory": "residual", "comm_options": {"dense_fallback": False}}),
     "safusion": ("safusion", {}),
     "adtopk": ("adtopk", {}),
     "zen": ("zen", {}),

@@ -131,8 +131,8 @@ DDP_SCHEMES = ("compute_only", "compute_sync", "ddp", "ddp_fp16", "ddp_powersgd"
 ENGINE_SCHEMES: dict[str, dict[str, Any]] = {
     **{name: dict(SYSTEM_PRESETS[name][1]) for name in ("ssfusion", "safusion", "adtopk", "zen", "oktopk")},
     # the engine with nothing sparsified (the ssfusion preset, sparsifier none): overhead vs DDP, so its
-    # own rounds throughout (no hand-off to DDP's reducer)
-    "ssfusion_dense": {**SYSTEM_PRESETS["ssfusion"][1], "sparsifier": "none", "ddp_handoff": False},
+    # own rounds throughout (no hand-off to DDP's reducer), with the memory whose dense rounds are DDP's
+    "ssfusion_dense": {**SYSTEM_PRESETS["ssfusion"][1], "sparsifier": "none", "ddp_handoff": False, "memory": "residual"},
     # SSFusion's baselines, with SSFusion's sparsifier so that only the fusion differs
     "layerwise": {"sparsifier": "dgc", "fusion": "layerwise", "comm": "allgather", "offload": "none"},
     "behind": {"sparsifier": "dgc", "fusion": "behind", "comm": "allgather", "offload": "none"},

@@ -17,7 +17,9 @@ communication; ``compute_sync``: the same plus one 1-element all-reduce a step, 
 ``ddp_bucket_view``: DDP with ``gradient_as_bucket_view``, as the strategy's hand-off builds it; ``ddp_powersgd`` /
 ``ddp_powersgd4``: PyTorch's PowerSGD hook at rank 1 / 4)
 or an engine scheme of experiments/e2e_worker.py (``ssfusion``, ``ssfusion_dense`` = sparsifier none,
-``safusion``, ...) built as ``SSFusionStrategy`` builds its engine, outside Lightning. A step is what
+``safusion``, ...) built as ``SSFusionStrategy`` builds its engine, outside Lightning, with the residual
+memory: ``memory="auto"`` (the ssfusion preset's) picks its memory from the optimizer in Lightning's
+setup, which this harness does not run (bench_e2e and bench_tta measure it). A step is what
 Lightning's loop does for each: the module buffers' broadcast before the forward (where the scheme
 broadcasts them), zero_grad, forward, backward, the engine's ``finish``, the optimizer's step. Each
 rank trains every copy on one fixed batch of its own (the workload's first, shuffled by rank), so the
@@ -58,7 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 DDP_HOOKS = {"compute_only": "noop", "compute_sync": "lockstep", "ddp": None, "ddp_bucket_view": None, **{name: "powersgd" for name in POWERSGD_RANKS}}
 SCHEMES = (*DDP_HOOKS, *ENGINE_SCHEMES)
 #: engine schemes whose memory needs Lightning's optimizer hand-off (SSFusionStrategy.setup_optimizers)
-NEEDS_LIGHTNING = ("dgc", "adam", "auto")
+NEEDS_LIGHTNING = ("dgc", "adam")
 
 
 def _loss(kind: str, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -113,6 +115,8 @@ class Runner:
             self.buffers: list[torch.Tensor] = []
         else:
             options = {"density": density, **ENGINE_SCHEMES[scheme]}
+            if options.get("memory") == "auto":  # see the module's doc
+                options["memory"] = "residual"
             if options.get("memory", "residual") in NEEDS_LIGHTNING:
                 raise ValueError(f"{scheme}: memory={options['memory']!r} needs Lightning's optimizer hand-off; "
                                  "run it through experiments.bench_e2e")
@@ -368,7 +372,7 @@ def publish(args: argparse.Namespace, results: dict[tuple[str, str], Any], equal
     header = (f"`python -m experiments.side_by_side --schemes {' '.join(args.schemes)} --world {args.world} --rates "
               f"{' '.join(args.rates)} --workloads {' '.join(args.workloads)} --warmup {args.warmup} --steps {args.steps} "
               f"--blocks {args.blocks}` (the schemes' blocks alternated; one intra-op thread a rank; "
-              "ratios: medians over block pairs, then over the ranks)")
+              "ratios: medians over block pairs, then over the ranks; engine schemes with the residual memory)")
     checked = [k for k, v in equal.items() if v is not None]
     verdicts = ", ".join(f"{key} {'yes' if equal[key] else 'NO'}" for key in checked)
     footer = [f"ddp and ssfusion_dense wrote the same gradients to the bit: {verdicts}"] if checked else []

@@ -157,7 +157,8 @@ class SSFusionStrategy(DDPStrategy):
             Adam/AdamW, each keeping 0.9 of the unsent part, else "residual"
             (``sparsifiers/memory_choice.py``; it takes only ``feedback``). With "adam" the
             Trainer's gradient_clip_val (by norm) becomes the memory's ``clip_norm``, and the
-            Trainer's own clipping is off for the run.
+            Trainer's own clipping is off while the engine runs the rounds. The "ssfusion" presets
+            ship "auto"; the other systems' presets their papers' "residual".
         fusion: buffer/selection policy (see ``available_fusion_policies()``).
         comm: collective (see ``available_communicators()``).
         buffer_mb: "auto" (default) or the cap of a fusion buffer in MiB (a finite number > 0).

@@ -373,7 +373,16 @@ def test_lightning_misconfigurations_are_config_errors_before_launch(tmp_path):
             ["model=gpt2", "data=synthetic_tokens", "strategy.memory=adam", "+strategy.memory_options.feedback=2"],
             "strategy: feedback is the fraction of the unsent part kept for the next round, a number in (0, 1], got 2",
         ),
-        (["+strategy.memory_options.momentum=0.9"], "strategy: memory 'residual' has no option 'momentum'; its options: feedback"),
+        # the default strategy is the ssfusion preset, whose memory="auto" picks its memory from the optimizer
+        (
+            ["+strategy.memory_options.momentum=0.9"],
+            "strategy: memory 'auto' has no option 'momentum'; its options: feedback (the memory it picks depends on the "
+            "optimizer: name the memory, e.g. memory='dgc', to set its other options)",
+        ),
+        (
+            ["strategy.memory=residual", "+strategy.memory_options.momentum=0.9"],
+            "strategy: memory 'residual' has no option 'momentum'; its options: feedback",
+        ),
     ],
 )
 def test_bad_memory_options_are_config_errors_before_launch(tmp_path, overrides, message):
