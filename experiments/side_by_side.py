@@ -44,6 +44,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from queue import Empty
 from typing import Any, Callable
 
 import torch
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from experiments.common import RESULTS, free_port, publish_md, pyplot, save_figure
-from experiments.e2e_worker import ENGINE_SCHEMES, POWERSGD_RANKS, build_workload, register_ddp_hook
+from experiments.e2e_worker import ENGINE_SCHEMES, POWERSGD_RANKS, WORKLOADS, build_workload, register_ddp_hook
 from ssfusion_lightning.data.sequences import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
@@ -242,7 +243,21 @@ def _loopback(world: int, options: dict[str, Any]) -> dict[int, Any]:
     procs = [ctx.Process(target=_spawned, args=(r, world, port, options, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    by_rank = dict(queue.get() for _ in procs)
+    by_rank: dict[int, Any] = {}
+    deadline = time.monotonic() + options["timeout"]
+    while len(by_rank) < world:
+        try:
+            rank, result = queue.get(timeout=1.0)
+        except Empty:
+            # a rank that raised leaves the others blocked in a collective: stop them all, naming it
+            failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                why = f"exit codes {failed}" if failed else f"no result within {options['timeout']} s"
+                raise RuntimeError(f"the ranks failed ({why}); the failing rank printed its error above") from None
+            continue
+        by_rank[rank] = result
     for p in procs:
         p.join()
     return by_rank
@@ -399,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--rates", nargs="+", default=["none"],
                         help="'none': loopback, no cluster; else one emulated-cluster launch per rate (root)")
-    parser.add_argument("--workloads", nargs="+", default=["resnet18", "gpt2", "gpt2_10m"])
+    parser.add_argument("--workloads", nargs="+", default=["resnet18", "gpt2", "gpt2_10m"], choices=sorted(WORKLOADS))
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--warmup", type=int, default=30, help="steps of each scheme before measuring "
                         "(past an engine's profiling and plan trial: use 60 for comm=auto on a shaped link)")

@@ -892,6 +892,16 @@ def test_side_by_side_times_schemes_in_the_same_ranks_and_checks_the_dense_path(
     assert (tmp_path / "glance.png").stat().st_size > 0
 
 
+def test_side_by_side_stops_when_a_rank_fails(tmp_path):
+    """A rank that raises (density 0 is refused when the engine is built) stops the launch with the ranks'
+    exit codes, where the harness used to wait for results that never came."""
+    from experiments import side_by_side
+
+    with pytest.raises(RuntimeError, match=r"the ranks failed \(exit codes \{0: 1, 1: 1\}\)"):
+        side_by_side.main(["--quick", "--schemes", "ddp", "ssfusion", "--workloads", "resnet18", "--density", "0",
+                           "--timeout", "120", "--out", str(tmp_path)])
+
+
 def test_glance_pairs_each_block_with_its_partner_and_counts_the_faster_pairs():
     """Two ranks, three block pairs: per pair the median over ranks of the baseline's block median over
     ssfusion's; the cell is their median, with the pairs ssfusion won."""
