@@ -164,6 +164,20 @@ def test_the_moments_never_see_the_selection():
     assert sparse.steps == dense.steps == {"w": 5}
 
 
+def backward_both(model: nn.Module, twin: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    for module in (model, twin):
+        module.zero_grad()
+        nn.functional.mse_loss(module(x), y).backward()
+
+
+def send_updates_dense(memory, model: nn.Module) -> None:
+    """One rank's dense round: every gradient becomes the memory's Adam update, as the engine sends it."""
+    for name, param in model.named_parameters():
+        update = memory.compensate_dense(name, param.grad)
+        memory.settle_dense(name, param.grad)
+        param.grad = update
+
+
 def test_dense_rounds_through_the_averaged_update_are_adamw():
     """One rank, every slot dense: the memory's update applied by AveragedUpdate is torch's AdamW
     (weight decay per group, a learning rate changed between steps)."""
@@ -184,13 +198,8 @@ def test_dense_rounds_through_the_averaged_update_are_adamw():
     for step in range(12):
         for group in replaced.param_groups + reference.param_groups:  # a schedule acting on the user's optimizer
             group["lr"] = 0.01 / (1 + step)
-        for module in (model, twin):
-            module.zero_grad()
-            nn.functional.mse_loss(module(x), y).backward()
-        for name, param in model.named_parameters():
-            update = memory.compensate_dense(name, param.grad)
-            memory.settle_dense(name, param.grad)
-            param.grad = update
+        backward_both(model, twin, x, y)
+        send_updates_dense(memory, model)
         ours.step()
         reference.step()
     for a, b in zip(model.parameters(), twin.parameters()):
@@ -410,14 +419,9 @@ def test_the_moments_move_to_the_replaced_adamw_and_back():
         if step == 8:
             assert memory.take_from_optimizer(params) and not ours.steps_adam and not ours.state
             assert set(memory.steps.values()) == {8} and not memory.take_from_optimizer(params)
-        for module in (model, twin):
-            module.zero_grad()
-            nn.functional.mse_loss(module(x), y).backward()
+        backward_both(model, twin, x, y)
         if not ours.steps_adam:
-            for name, param in model.named_parameters():
-                update = memory.compensate_dense(name, param.grad)
-                memory.settle_dense(name, param.grad)
-                param.grad = update
+            send_updates_dense(memory, model)
         ours.step()
         reference.step()
     for a, b in zip(model.parameters(), twin.parameters()):
