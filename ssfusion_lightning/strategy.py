@@ -196,9 +196,11 @@ class SSFusionStrategy(DDPStrategy):
             the plan or the plan trial keeps no tensor sparse), DDP's C++ reducer synchronizes the gradients
             from the next step on (default True, under automatic optimization): the engine's dense rounds
             cost a rank 2-4% more CPU than it. False keeps the engine's rounds, whose dense path is DDP's
-            to the bit. With memory "dgc" the SGD gets its momentum back, its buffers the ranks' averaged
-            momentum correction (weight decay then inside the momentum, as torch's SGD has it); the
-            memories that send their own Adam update, or clip each rank's gradient, keep the engine's rounds.
+            to the bit. Memories that keep optimizer state move it to the optimizer meanwhile: with "dgc"
+            the SGD gets its momentum back, its buffers the ranks' averaged momentum correction (weight
+            decay then inside the momentum, as torch's SGD has it); with "adam" the replaced AdamW steps
+            from the ranks' averaged moments. A memory clipping each rank's gradient by its own
+            ``clip_norm`` keeps the engine's rounds (with "auto" the Trainer's clipping returns instead).
         ranks_per_node: ranks that share a node (its fast link), for ``comm="hierarchical"`` and
             the hierarchical candidates of ``comm="auto"`` (default: Lightning's devices per node).
             Global ranks are node-major. A smaller value than the real one emulates several nodes
@@ -555,14 +557,14 @@ class SSFusionStrategy(DDPStrategy):
         # from the first step, with the optimizer holding what the memory handed it. Elsewhere what the
         # loaded optimizer holds of the memory's (momentum correction's momentum after plain DDP too) is
         # the memory's again.
+        if self.engine is not None and self.density_warmup_epochs:
+            steps = self._steps_per_epoch() * self.density_warmup_epochs
+            self.engine.set_density_warmup(DensityWarmup(max(1, round(steps)), self.density_warmup_stages))
         if self.engine is not None and self.ddp_handoff and self.engine.ddp_can_run and self._may_hand_off():
             self._hand_off_to_ddp()
         elif self.engine is not None and self.engine.take_memory_from_optimizer():
             log.info("ssfusion: the momentum or moments the checkpoint's optimizer holds are the memory's again")
         self._clipping_follows_the_memory()
-        if self.engine is not None and self.density_warmup_epochs:
-            steps = self._steps_per_epoch() * self.density_warmup_epochs
-            self.engine.set_density_warmup(DensityWarmup(max(1, round(steps)), self.density_warmup_stages))
 
     def _steps_per_epoch(self) -> int:
         trainer = self.lightning_module.trainer

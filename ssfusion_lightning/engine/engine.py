@@ -771,7 +771,8 @@ class FusionEngine:
         True between rounds when nothing but the plan trial can change the plan (profiling, the
         rebuild from the ready order, the dense warm-up and the density warm-up are over), the plan
         sparsifies nothing and has no sparse-gradient buffer, and the memory owes nothing and sends a
-        dense gradient unchanged or has an optimizer that can take its state (``Memory.ddp_can_take_over``). The trial's sparse windows have sparse plans, and a trial that
+        dense gradient unchanged or has an optimizer that can take its state
+        (``Memory.ddp_can_take_over``). The trial's sparse windows have sparse plans, and a trial that
         has not started cannot start on a plan with nothing sparse; its dense window (whose owed
         state it sets aside) qualifies, and then measures DDP's reducer, the dense step a hand-off
         would give. The same on every rank: each input is agreed or a function of the step."""

@@ -615,6 +615,10 @@ class DGCMemory(LocallyClipped, Memory):
     def _taken_groups(self) -> list[tuple[torch.optim.Optimizer, dict[str, Any]]]:
         return [(optimizer, optimizer.param_groups[index]) for optimizer, index in self._taken]
 
+    def _owners(self) -> dict[int, torch.optim.Optimizer]:
+        """id(parameter) -> the SGD whose momentum this memory took, for the tensors it steps."""
+        return {id(param): optimizer for optimizer, group in self._taken_groups() for param in group["params"]}
+
     @property
     def ddp_can_take_over(self) -> bool:
         """The SGD whose momentum this memory took steps every tensor, and no clipping only this
@@ -636,9 +640,8 @@ class DGCMemory(LocallyClipped, Memory):
         keys = [key for key in params if key in self.momenta]
         momenta = [self.momenta[key] for key in keys]
         average_(momenta)
-        groups = self._taken_groups()
-        owner = {id(param): optimizer for optimizer, group in groups for param in group["params"]}
-        for _, group in groups:
+        owner = self._owners()
+        for _, group in self._taken_groups():
             group["momentum"] = self.momentum
         for param in params.values():
             optimizer = owner.get(id(param))
@@ -663,7 +666,7 @@ class DGCMemory(LocallyClipped, Memory):
                 f"{sorted(momenta)}; use one momentum for every group, or memory='residual'"
             )
         self.momentum = momenta.pop()
-        owner = {id(param): optimizer for optimizer, group in groups for param in group["params"]}
+        owner = self._owners()
         for key, param in params.items():
             optimizer = owner.get(id(param))
             buffer = None if optimizer is None else optimizer.state[param].pop("momentum_buffer", None)
