@@ -17,9 +17,11 @@ communication; ``compute_sync``: the same plus one 1-element all-reduce a step, 
 ``ddp_bucket_view``: DDP with ``gradient_as_bucket_view``, as the strategy's hand-off builds it; ``ddp_powersgd`` /
 ``ddp_powersgd4``: PyTorch's PowerSGD hook at rank 1 / 4)
 or an engine scheme of experiments/e2e_worker.py (``ssfusion``, ``ssfusion_dense`` = sparsifier none,
-``safusion``, ...) built as ``SSFusionStrategy`` builds its engine, outside Lightning, with the residual
-memory: ``memory="auto"`` (the ssfusion preset's) picks its memory from the optimizer in Lightning's
-setup, which this harness does not run (bench_e2e and bench_tta measure it). A step is what
+``safusion``, ...) built as ``SSFusionStrategy`` builds its engine and binds its memory to the optimizer,
+outside Lightning: ``memory="auto"`` (the ssfusion presets') picks momentum correction for SGD with momentum
+(which takes the SGD's momentum) and the Adam memory for AdamW (which replaces the AdamW by the step that
+applies the ranks' averaged update), and both hand their state to the optimizer where DDP's reducer takes
+the rounds, as in ``SSFusionStrategy.setup_optimizers``; nothing here clips gradients. A step is what
 Lightning's loop does for each: the module buffers' broadcast before the forward (where the scheme
 broadcasts them), zero_grad, forward, backward, the engine's ``finish``, the optimizer's step. Each
 rank trains every copy on one fixed batch of its own (the workload's first, shuffled by rank), so the
@@ -60,8 +62,6 @@ from ssfusion_lightning.data.sequences import IGNORE_INDEX
 REPO = Path(__file__).resolve().parents[1]
 DDP_HOOKS = {"compute_only": "noop", "compute_sync": "lockstep", "ddp": None, "ddp_bucket_view": None, **{name: "powersgd" for name in POWERSGD_RANKS}}
 SCHEMES = (*DDP_HOOKS, *ENGINE_SCHEMES)
-#: engine schemes whose memory needs Lightning's optimizer hand-off (SSFusionStrategy.setup_optimizers)
-NEEDS_LIGHTNING = ("dgc", "adam")
 
 
 def _loss(kind: str, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -72,7 +72,19 @@ def _loss(kind: str, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Te
     return F.cross_entropy(out, targets)
 
 
-def _engine_for(model: torch.nn.Module, options: dict[str, Any]) -> Any:
+def memory_choice(options: dict[str, Any], optimizer: torch.optim.Optimizer) -> tuple[str, dict[str, Any]]:
+    """The memory ``options`` name and its options; ``auto`` picks them for ``optimizer`` as
+    SSFusionStrategy does."""
+    from ssfusion_lightning.sparsifiers.memory_choice import choose_memory
+
+    name, memory_options = options.get("memory", "residual"), options.get("memory_options", {})
+    if name != "auto":
+        return name, memory_options
+    choice = choose_memory([optimizer], memory_options)
+    return choice.name, choice.options
+
+
+def _engine_for(model: torch.nn.Module, options: dict[str, Any], memory: tuple[str, dict[str, Any]]) -> Any:
     """The engine as SSFusionStrategy builds it for ``options`` (an ENGINE_SCHEMES entry)."""
     from ssfusion_lightning.comm import COMMUNICATORS, ChannelSet
     from ssfusion_lightning.engine.engine import EngineConfig, FusionEngine
@@ -83,7 +95,7 @@ def _engine_for(model: torch.nn.Module, options: dict[str, Any]) -> Any:
     engine = FusionEngine(
         [(n, p) for n, p in model.named_parameters() if p.requires_grad],
         SPARSIFIERS.build(options["sparsifier"], density=options.get("density", 0.01)),
-        MEMORIES.build(options.get("memory", "residual"), **options.get("memory_options", {})),
+        MEMORIES.build(memory[0], **memory[1]),
         FUSION_POLICIES.build(options["fusion"]),
         COMMUNICATORS.build(options["comm"], **options.get("comm_options", {})),
         ChannelSet(groups, torch.device("cpu")),
@@ -93,6 +105,19 @@ def _engine_for(model: torch.nn.Module, options: dict[str, Any]) -> Any:
     return engine
 
 
+def _bind_memory(engine: Any, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer to step once the engine's memory is bound to it, as SSFusionStrategy.setup_optimizers
+    binds it: momentum correction takes the SGD's momentum; the Adam memory replaces the AdamW."""
+    from ssfusion_lightning.sparsifiers.adam_memory import AdamMemory
+    from ssfusion_lightning.sparsifiers.memory import DGCMemory
+
+    if isinstance(engine.memory, DGCMemory):
+        engine.memory.take_momentum_from([optimizer], engine.params)
+    elif isinstance(engine.memory, AdamMemory):
+        (optimizer,) = engine.memory.take_over([optimizer], engine.params)
+    return optimizer
+
+
 class Runner:
     """One scheme's copy of the model, its optimizer and its step."""
 
@@ -100,7 +125,7 @@ class Runner:
         from ssfusion_lightning.models.tasks.optim import build_optimizer
 
         self.scheme, self.kind, self.batch = scheme, spec["kind"], batch
-        self.engine, self.hook = None, None
+        self.engine, self.hook, self.memory = None, None, None
         module = copy.deepcopy(model)
         task = dict(spec["task"])
         self.optimizer = build_optimizer(module, task.pop("optimizer"), **task)
@@ -116,13 +141,11 @@ class Runner:
             self.buffers: list[torch.Tensor] = []
         else:
             options = {"density": density, **ENGINE_SCHEMES[scheme]}
-            if options.get("memory") == "auto":  # see the module's doc
-                options["memory"] = "residual"
-            if options.get("memory", "residual") in NEEDS_LIGHTNING:
-                raise ValueError(f"{scheme}: memory={options['memory']!r} needs Lightning's optimizer hand-off; "
-                                 "run it through experiments.bench_e2e")
             self.model = module
-            self.engine = _engine_for(module, options)
+            memory = memory_choice(options, self.optimizer)
+            self.memory = memory[0]
+            self.engine = _engine_for(module, options, memory)
+            self.optimizer = _bind_memory(self.engine, self.optimizer)
             self.handoff = options.get("ddp_handoff", True)
             self.buffers = [b for b in module.buffers() if b.numel() > 0]
 
@@ -223,7 +246,8 @@ def run_rank(rank: int, options: dict[str, Any]) -> dict[str, Any]:
         equal = _same_gradients(runners, rank)
         for runner in runners.values():
             runner.close()
-        results[name] = {"samples": samples, "equal": equal}
+        memories = {scheme: runner.memory for scheme, runner in runners.items() if runner.memory}
+        results[name] = {"samples": samples, "equal": equal, "memories": memories}
     return results
 
 
@@ -321,7 +345,8 @@ def summarize(by_rank: dict[int, Any], name: str, schemes: list[str]) -> dict[st
             row["wall_x_powersgd"] = _over_ranks(by_rank, name, lambda x, s=scheme: _pair_ratio(x, "wall", "ddp_powersgd", s))
         if scheme in ENGINE_SCHEMES:
             row.update(compress_ms=median("compress") * 1e3, exposed_ms=median("exposed") * 1e3,
-                       sparse=median("sparse"), buffers=median("buffers"))
+                       sparse=median("sparse"), buffers=median("buffers"),
+                       memory=next(iter(by_rank.values()))[name].get("memories", {}).get(scheme, "-"))
             row["exposed_share"] = (row["compress_ms"] + row["exposed_ms"]) / row["wall_ms"]
         out[scheme] = row
     return out
@@ -331,14 +356,14 @@ def table(results: dict[str, Any], schemes: list[str]) -> list[str]:
     first = schemes[0]
     lines = [
         f"| link | workload | scheme | step ms | step / {first}'s | main-thread CPU / {first}'s | process CPU / {first}'s "
-        "| compress ms | exposed comm ms | compress + exposed, share of the step | sparse tensors; buffers |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| compress ms | exposed comm ms | compress + exposed, share of the step | sparse tensors; buffers | memory |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for (rate, name), rows in results.items():
         for scheme in schemes:
             r = rows[scheme]
             engine = (f"{r['compress_ms']:.1f} | {r['exposed_ms']:.1f} | {r['exposed_share']:.2f} | "
-                      f"{r['sparse']:.0f}; {r['buffers']:.0f}") if "compress_ms" in r else "- | - | - | -"
+                      f"{r['sparse']:.0f}; {r['buffers']:.0f} | {r['memory']}") if "compress_ms" in r else "- | - | - | - | -"
             lines.append(f"| {rate} | {name} | {scheme} | {r['wall_ms']:.1f} | {r[f'wall_x_{first}']:.3f} "
                          f"| {r[f'cpu_x_{first}']:.3f} | {r[f'proc_x_{first}']:.3f} | {engine} |")
     return lines
@@ -387,7 +412,7 @@ def publish(args: argparse.Namespace, results: dict[tuple[str, str], Any], equal
     header = (f"`python -m experiments.side_by_side --schemes {' '.join(args.schemes)} --world {args.world} --rates "
               f"{' '.join(args.rates)} --workloads {' '.join(args.workloads)} --warmup {args.warmup} --steps {args.steps} "
               f"--blocks {args.blocks}` (the schemes' blocks alternated; one intra-op thread a rank; "
-              "ratios: medians over block pairs, then over the ranks; engine schemes with the residual memory)")
+              "ratios: medians over block pairs, then over the ranks)")
     checked = [k for k, v in equal.items() if v is not None]
     verdicts = ", ".join(f"{key} {'yes' if equal[key] else 'NO'}" for key in checked)
     footer = [f"ddp and ssfusion_dense wrote the same gradients to the bit: {verdicts}"] if checked else []

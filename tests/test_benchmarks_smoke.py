@@ -882,6 +882,10 @@ def test_side_by_side_times_schemes_in_the_same_ranks_and_checks_the_dense_path(
             assert row["wall_ms"] > 0 and row["proc_ms"] > 0 and row["wall_x_ddp"] > 0, (cell, scheme)
         # ssfusion_dense keeps its own rounds; ssfusion may hand its steps to DDP's reducer on loopback
         assert rows["ssfusion_dense"]["buffers"] >= 1 and rows["ssfusion"]["compress_ms"] >= 0
+    # the preset's memory="auto" picks by optimizer, as in Lightning: resnet18 trains with SGD + momentum, gpt2 AdamW
+    memories = {cell: rows["ssfusion"]["memory"] for cell, rows in saved["results"].items()}
+    assert memories == {"none resnet18": "dgc", "none gpt2": "adam"}
+    assert saved["results"]["none gpt2"]["ssfusion_dense"]["memory"] == "residual"
     assert "| none | gpt2 | ssfusion |" in (tmp_path / "side.md").read_text()
     from experiments import glance
 
