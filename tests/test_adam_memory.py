@@ -66,7 +66,7 @@ def test_sent_plus_residual_is_the_compensated_update_and_nothing_is_lost(shape,
     memory, sparsifier = build_memory("adam"), build_sparsifier("topk", density=density)
     sent_total = torch.zeros(shape, dtype=torch.float64)
     for grad in grads:
-        compensated = memory.compensate("w", grad)
+        compensated = memory.compensate("w", grad).clone()  # the commit keeps compensate's own tensor as r
         values, indices = sparsifier.select(compensated, key="w")
         sent = torch.zeros(compensated.numel(), dtype=torch.float64)
         sent[indices] = values
@@ -76,6 +76,81 @@ def test_sent_plus_residual_is_the_compensated_update_and_nothing_is_lost(shape,
         sent_total += sent.view(shape)
     expected = torch.stack(adam_updates(grads)).sum(0)
     assert torch.allclose(sent_total + memory.residual("w"), expected, rtol=1e-12, atol=1e-12)
+
+
+def _counting_updates(memory, counts: list[int]):
+    """Count the Adam updates ``memory`` computes (compensate's and any commit's)."""
+    compute = memory._update_of
+
+    def counted(*args, **kwargs):
+        counts.append(1)
+        return compute(*args, **kwargs)
+
+    memory._update_of = counted
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.sampled_from([(1,), (6,), (3, 7)]),
+    density=st.floats(0.05, 1.0),
+    feedback=st.sampled_from([1.0, 0.9]),
+    clip_norm=st.sampled_from([None, 0.5]),
+    steps=st.integers(2, 8),
+    seed=st.integers(0, 10_000),
+)
+def test_the_commit_adds_compensates_update_with_the_bits_of_computing_it_again(shape, density, feedback, clip_norm, steps, seed):
+    """A commit of the gradient compensate saw keeps compensate's tensor as the residual; a commit of
+    another gradient tensor computes the update again. Both leave the same bits in every state, and
+    only the first computes one update a round."""
+    generator = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(shape, generator=generator) for _ in range(steps)]
+    memories = {"reused": build_memory("adam", clip_norm=clip_norm, feedback=feedback),
+                "computed again": build_memory("adam", clip_norm=clip_norm, feedback=feedback)}
+    counts: dict[str, list[int]] = {name: [] for name in memories}
+    for name, memory in memories.items():
+        memory.set_world_size(2)
+        _counting_updates(memory, counts[name])
+    sparsifier = build_sparsifier("topk", density=density)
+    for grad in grads:
+        sent = None
+        for name, memory in memories.items():
+            compensated = memory.compensate("w", grad)
+            sent = sparsifier.select(compensated, key="w")[1] if sent is None else sent
+            memory.update("w", grad if name == "reused" else grad.clone(), sent)
+        for state in ("first_moments", "second_moments", "residuals"):
+            assert torch.equal(getattr(memories["reused"], state)["w"], getattr(memories["computed again"], state)["w"])
+    assert (len(counts["reused"]), len(counts["computed again"])) == (steps, 2 * steps)
+
+
+def test_a_gradient_changed_after_compensate_is_committed_as_it_is_now():
+    """compensate's update belongs to the gradient it saw: a gradient changed in place since (the same
+    tensor) is committed from its new values, as a memory that never compensated commits it."""
+    memory, reference = build_memory("adam"), build_memory("adam")
+    first, grad = torch.randn(10), torch.randn(10)
+    for m in (memory, reference):
+        m.update("w", first, torch.tensor([0, 1]))
+    compensated = memory.compensate("w", grad)
+    grad.mul_(3.0)
+    memory.update("w", grad, torch.tensor([2]))
+    reference.update("w", grad, torch.tensor([2]))
+    for state in ("first_moments", "second_moments", "residuals"):
+        assert torch.equal(getattr(memory, state)["w"], getattr(reference, state)["w"])
+    assert memory.residuals["w"] is not compensated
+
+
+def test_a_compensated_tensor_changed_before_the_commit_is_not_kept():
+    """compensate's tensor becomes the residual only as compensate returned it: one a caller changed
+    since is left alone, and the commit computes the residual as a memory that never compensated."""
+    memory, reference = build_memory("adam"), build_memory("adam")
+    first, grad = torch.randn(10), torch.randn(10)
+    for m in (memory, reference):
+        m.update("w", first, torch.tensor([0, 1]))
+    compensated = memory.compensate("w", grad)
+    compensated.zero_()
+    memory.update("w", grad, torch.tensor([2]))
+    reference.update("w", grad, torch.tensor([2]))
+    assert torch.equal(memory.residuals["w"], reference.residuals["w"]) and memory.residuals["w"] is not compensated
+    assert not compensated.any()
 
 
 def test_a_window_with_the_residual_set_aside_sends_adams_update_and_owes_what_it_owed():
@@ -100,9 +175,9 @@ def test_a_window_with_the_residual_set_aside_sends_adams_update_and_owes_what_i
         else:
             compensated = memory.compensate("w", grad)
             positions = torch.tensor([step % 8])
-            memory.update("w", grad, positions)
             sent = torch.zeros(8, dtype=torch.float64)
-            sent[positions] = compensated[positions]
+            sent[positions] = compensated[positions]  # before the commit, which keeps compensated as r
+            memory.update("w", grad, positions)
         sent_total += sent
     assert torch.allclose(sent_total + memory.residual("w"), torch.stack(updates).sum(0), rtol=1e-12, atol=1e-12)
 

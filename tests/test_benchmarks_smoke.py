@@ -919,8 +919,8 @@ def test_glance_pairs_each_block_with_its_partner_and_counts_the_faster_pairs():
         "1": {"gpt2": {"samples": {"ssfusion": blocks(1.0, 1.0, 2.0), "ddp": blocks(4.0, 0.5, 3.0)}}},
     }
     assert glance.pair_speeds(by_rank, "gpt2", "ddp") == [3.0, 0.5, 1.5]
-    row = {"world": 2, "link": "40mbit", "workload": "gpt2", "launch": "x", "speed": {"ddp": (1.5, 2, 3)}}
-    assert "| 2 | 40mbit | gpt2 | 1.50 (2/3) | - | - | - | x |" in glance.markdown([row])
+    row = {"world": 2, "link": "40mbit", "workload": "gpt2", "memory": "adam", "launch": "x", "speed": {"ddp": (1.5, 2, 3)}}
+    assert "| 2 | 40mbit | gpt2 | adam | 1.50 (2/3) | - | - | - | x |" in glance.markdown([row])
 
 
 @pytest.mark.skipif(common.report_section("glance") is None, reason="no glance block in REPORT.md")

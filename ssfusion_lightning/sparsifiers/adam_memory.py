@@ -28,6 +28,7 @@ the sent entries to 3.7 steps and the loss after 300 steps from 2.79-2.94 to 2.4
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -126,6 +127,16 @@ def adam_settings(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[fl
     return betas, eps
 
 
+@dataclass
+class _Compensated:
+    """``compensate``'s tensor for ``grad``, and both tensors' versions when it returned."""
+
+    grad: Tensor
+    grad_version: int
+    tensor: Tensor
+    version: int
+
+
 @MEMORIES.register("adam")
 class AdamMemory(LocallyClipped, Memory):
     """Error feedback on each rank's Adam update (see the module's notes).
@@ -159,6 +170,9 @@ class AdamMemory(LocallyClipped, Memory):
         self.steps: dict[str, int] = {}
         self.residuals: dict[str, Tensor] = {}
         self._clip_factors: dict[str, float] = {}
+        #: compensate's tensor per key until its commit keeps it as the residual, where computing the
+        #: update again took a sqrt, three divisions, an add and two fresh tensors per tensor
+        self._compensated: dict[str, _Compensated] = {}
         self._replacements: list[AveragedUpdate] = []
         self._optimizer_steps_every_tensor = False
 
@@ -221,6 +235,7 @@ class AdamMemory(LocallyClipped, Memory):
         reducer ran the rounds."""
         if not self.in_optimizer:
             return False
+        self._compensated.clear()
         owners = self._owners()
         for key, param in params.items():
             owner = owners.get(id(param))
@@ -238,8 +253,8 @@ class AdamMemory(LocallyClipped, Memory):
         moment = self.first_moments.get(key)
         return moment is None or moment.shape != grad.shape or moment.dtype != grad.dtype
 
-    def _update_of(self, key: str, grad: Tensor, in_place: bool) -> Tensor:
-        """The round's Adam update u, from the moments stepped with ``grad``: in place into the stored
+    def _stepped_moments(self, key: str, grad: Tensor, in_place: bool) -> tuple[Tensor, Tensor, int]:
+        """The key's moments stepped with ``grad``, and their step count: in place into the stored
         moments (the commit) or as temporaries (``compensate``); the same operations either way, so
         the same bits."""
         beta1, beta2 = self.betas
@@ -259,8 +274,28 @@ class AdamMemory(LocallyClipped, Memory):
         else:
             first = torch.mul(first, beta1).add_(grad, alpha=1 - beta1)
             second = torch.mul(second, beta2).addcmul_(grad, grad, value=1 - beta2)
-        denominator = second.sqrt().div_(math.sqrt(1 - beta2**step)).add_(self.eps)
-        return torch.div(first, 1 - beta1**step).div_(denominator)
+        return first, second, step
+
+    def _update_of(self, key: str, grad: Tensor, in_place: bool) -> Tensor:
+        """The round's Adam update u, from the moments stepped with ``grad`` (``_stepped_moments``)."""
+        beta1, beta2 = self.betas
+        first, second, step = self._stepped_moments(key, grad, in_place)
+        if in_place:  # the stored moments: the update takes tensors of its own
+            denominator = second.sqrt().div_(math.sqrt(1 - beta2**step)).add_(self.eps)
+            return torch.div(first, 1 - beta1**step).div_(denominator)
+        # compensate's stepped moments are temporaries: the update is computed in them (the same
+        # operations in place, so the same bits), with no fresh tensor the size of the gradient
+        denominator = second.sqrt_().div_(math.sqrt(1 - beta2**step)).add_(self.eps)
+        return first.div_(1 - beta1**step).div_(denominator)
+
+    def _compensated_for(self, key: str, grad: Tensor) -> Tensor | None:
+        """What ``compensate`` returned for this very gradient (u + r, or u where nothing was owed),
+        where neither tensor changed since: the state the commit keeps before zeroing the sent
+        positions (r + u has the bits of u + r)."""
+        held = self._compensated.pop(key, None)
+        if held is None or held.grad is not grad or held.grad._version != held.grad_version:
+            return None
+        return held.tensor if held.tensor._version == held.version else None
 
     def _owed(self, key: str, grad: Tensor) -> Tensor | None:
         residual = self.residuals.get(key)
@@ -271,7 +306,9 @@ class AdamMemory(LocallyClipped, Memory):
         self._clip_factors.pop(key, None)
         residual = self._owed(key, grad)
         update = self._update_of(key, self._clipped(key, grad, None, commit=False), in_place=False)
-        return update if residual is None else update.add_(residual)
+        compensated = update if residual is None else update.add_(residual)
+        self._compensated[key] = _Compensated(grad, grad._version, compensated, compensated._version)
+        return compensated
 
     def update(
         self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None, verified: bool = False
@@ -279,12 +316,17 @@ class AdamMemory(LocallyClipped, Memory):
         _refuse_scale(loss_scale)
         if not verified:
             check_finite(key, grad, "gradient")
-        residual = self._owed(key, grad)
-        update = self._update_of(key, self._clipped(key, grad, None, commit=True), in_place=True)
-        if residual is None:
-            residual = self.residuals[key] = update
+        compensated = self._compensated_for(key, grad)
+        if compensated is not None:  # compensate computed the update from these moments: only they still step
+            self._stepped_moments(key, self._clipped(key, grad, None, commit=True), in_place=True)
+            residual = self.residuals[key] = compensated
         else:
-            residual.add_(update)
+            residual = self._owed(key, grad)
+            update = self._update_of(key, self._clipped(key, grad, None, commit=True), in_place=True)
+            if residual is None:
+                residual = self.residuals[key] = update
+            else:
+                residual.add_(update)
         # a finite update comes from a finite first moment, but a second moment overflowed to inf
         # gives a finite update (zero): that one is checked whatever the caller verified
         moments = [self.second_moments[key]] if verified else [self.first_moments[key], self.second_moments[key], residual]
@@ -298,7 +340,8 @@ class AdamMemory(LocallyClipped, Memory):
     def settle_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> None:
         _refuse_scale(loss_scale)
         check_finite(key, grad, "gradient")
-        self._update_of(key, self._clipped(key, grad, None, commit=True), in_place=True)
+        self._compensated.pop(key, None)
+        self._stepped_moments(key, self._clipped(key, grad, None, commit=True), in_place=True)  # no residual: no update
         self.residuals.pop(key, None)
         _checked_commit(key, [self.first_moments[key], self.second_moments[key]], self._states)
 
@@ -332,11 +375,13 @@ class AdamMemory(LocallyClipped, Memory):
         self.first_moments, self.second_moments = loaded["first_moments"], loaded["second_moments"]
         self.residuals, self.steps = loaded["residuals"], steps
         self._clip_factors.clear()
+        self._compensated.clear()
 
     def reset(self) -> None:
         for state in self._states:
             state.clear()
         self._clip_factors.clear()
+        self._compensated.clear()
 
 
 #: the refusal of a GradScaler's scaled gradients, also raised by the strategy at setup

@@ -42,7 +42,8 @@ class Memory(ABC):
     ``compensate(key, grad)`` returns the tensor to select from (contiguous, never aliasing
     ``grad``), a temporary: the state is untouched. ``update(key, grad, sent_indices)`` commits
     the round with the same ``grad``: the state becomes what ``compensate`` returned, with the
-    sent positions zeroed. ``sent_indices`` are the flat positions whose compensated value left
+    sent positions zeroed (a memory may keep that very tensor as its state, so read it before the
+    commit). ``sent_indices`` are the flat positions whose compensated value left
     this rank and was applied. ``loss_scale`` (a 0-d tensor, or None) is the factor ``grad``
     carries; pass the same one to the ``update`` that follows a ``compensate``. ``verified``: the
     caller found the tensor ``compensate`` returned finite. It is a sum of finite state and terms
