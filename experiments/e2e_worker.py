@@ -133,6 +133,8 @@ ENGINE_SCHEMES: dict[str, dict[str, Any]] = {
     # the engine with nothing sparsified (the ssfusion preset, sparsifier none): overhead vs DDP, so its
     # own rounds throughout (no hand-off to DDP's reducer), with the memory whose dense rounds are DDP's
     "ssfusion_dense": {**SYSTEM_PRESETS["ssfusion"][1], "sparsifier": "none", "ddp_handoff": False, "memory": "residual"},
+    # the preset with its papers' residual error feedback instead of memory="auto": what auto's memory costs a step
+    "ssfusion_residual": {**SYSTEM_PRESETS["ssfusion"][1], "memory": "residual"},
     # SSFusion's baselines, with SSFusion's sparsifier so that only the fusion differs
     "layerwise": {"sparsifier": "dgc", "fusion": "layerwise", "comm": "allgather", "offload": "none"},
     "behind": {"sparsifier": "dgc", "fusion": "behind", "comm": "allgather", "offload": "none"},
