@@ -942,3 +942,13 @@ def test_side_by_side_overlap_targets_mark_what_is_met_and_skip_cells_without_th
     })
     assert rows[2:] == ["| 40mbit | gpt2 | **0.95** | 0.98 | **0.08** | 1.20 |"]
     assert overlap_targets({("40mbit", "gpt2"): {"compute_only": {}, "ssfusion": mine}}) == []
+
+
+def test_feedback_round_times_each_memory_on_the_workloads_large_tensors(tmp_path):
+    from experiments import bench_feedback_round
+
+    rows = bench_feedback_round.measure("gpt2", ["residual", "adam"], rounds=2)
+    assert [r["memory"] for r in rows] == ["residual", "adam"]
+    assert all(r["tensors"] > 0 and r["elements"] >= 4096 * r["tensors"] and r["compensate_ms"] > 0 for r in rows)
+    assert bench_feedback_round.main(["--workload", "gpt2", "--rounds", "2", "--name", "round", "--out", str(tmp_path)]) == 0
+    assert "| adam |" in (tmp_path / "round.md").read_text()

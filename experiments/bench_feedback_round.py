@@ -1,0 +1,89 @@
+"""Micro-benchmark of one error-feedback round per memory: ``compensate_many`` and ``update_many``
+over a workload's large tensors (those of at least 4096 elements, what a selective plan sparsifies),
+1% of each tensor's positions sent, one intra-op thread, random gradients.
+
+    python -m experiments.bench_feedback_round --workload gpt2_10m
+    python -m experiments.bench_feedback_round --workload gpt2 --rounds 5      # smoke run
+
+Per memory, interleaved round by round: the median time of the compensation and of the commit, and
+the minor page faults of the round (a fresh tensor the size of a transformer's weights comes as
+fresh pages, which glibc's allocator returns to the kernel when it is freed). To compare two
+revisions, run it in a checkout of each (``git worktree add``) alternately: results/<name>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+
+from experiments.common import publish_md
+from experiments.e2e_worker import WORKLOADS, build_workload
+from ssfusion_lightning.sparsifiers import MEMORIES
+
+#: the smallest tensor the ssfusion preset's selective plans sparsify on these workloads
+LARGE = 4096
+
+
+def measure(workload: str, memories: list[str], rounds: int) -> list[dict[str, float | str]]:
+    torch.manual_seed(0)
+    _, model, _, _ = build_workload(workload, False, 0)
+    params = [(name, p) for name, p in model.named_parameters() if p.numel() >= LARGE]
+    keys = [name for name, _ in params]
+    grads = [torch.randn_like(p) for _, p in params]
+    sent = [torch.randperm(g.numel())[: max(1, g.numel() // 100)] for g in grads]
+    built = {name: MEMORIES.build(name) for name in memories}
+    for memory in built.values():  # every state exists from here on, as after a plan's first round
+        memory.update_many(keys, grads, sent, verified=True)
+    samples: dict[str, dict[str, list[float]]] = {name: {"compensate": [], "commit": [], "faults": []} for name in built}
+    for _ in range(rounds):
+        for name, memory in built.items():
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            started = time.perf_counter()
+            compensated = memory.compensate_many(keys, grads)
+            compensated_at = time.perf_counter()
+            memory.update_many(keys, grads, sent, verified=True)
+            committed_at = time.perf_counter()
+            del compensated
+            samples[name]["compensate"].append(compensated_at - started)
+            samples[name]["commit"].append(committed_at - compensated_at)
+            samples[name]["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+    elements = sum(g.numel() for g in grads)
+    return [
+        {"memory": name, "tensors": len(keys), "elements": elements,
+         "compensate_ms": 1e3 * statistics.median(s["compensate"]), "commit_ms": 1e3 * statistics.median(s["commit"]),
+         "faults": statistics.median(s["faults"])}
+        for name, s in samples.items()
+    ]
+
+
+def table(rows: list[dict[str, float | str]]) -> list[str]:
+    lines = ["| memory | tensors | elements | compensate ms | commit ms | round ms | minor page faults a round |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['memory']} | {r['tensors']} | {r['elements']} | {r['compensate_ms']:.1f} | {r['commit_ms']:.1f} "
+                     f"| {r['compensate_ms'] + r['commit_ms']:.1f} | {r['faults']:.0f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="gpt2_10m", choices=sorted(WORKLOADS))
+    parser.add_argument("--memories", nargs="+", default=["residual", "adam"], choices=sorted(MEMORIES.names()))
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--name", default="feedback_round")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    lines = table(measure(args.workload, args.memories, args.rounds))
+    command = (f"`python -m experiments.bench_feedback_round --workload {args.workload} --memories {' '.join(args.memories)} "
+               f"--rounds {args.rounds}` (one thread; medians over the rounds, memories interleaved)")
+    publish_md("\n".join([command, "", *lines]), args.name, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
