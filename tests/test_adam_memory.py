@@ -79,14 +79,14 @@ def test_sent_plus_residual_is_the_compensated_update_and_nothing_is_lost(shape,
 
 
 def _counting_updates(memory, counts: list[int]):
-    """Count the Adam updates ``memory`` computes (compensate's and any commit's)."""
-    compute = memory._update_of
+    """Count the Adam steps ``memory`` computes (compensate's and any commit's), a tensor each."""
+    compute = memory._add_adam_steps_
 
-    def counted(*args, **kwargs):
-        counts.append(1)
-        return compute(*args, **kwargs)
+    def counted(totals, *args, **kwargs):
+        counts.extend([1] * len(totals))
+        return compute(totals, *args, **kwargs)
 
-    memory._update_of = counted
+    memory._add_adam_steps_ = counted
 
 
 @settings(max_examples=25, deadline=None)
@@ -120,6 +120,67 @@ def test_the_commit_adds_compensates_update_with_the_bits_of_computing_it_again(
         for state in ("first_moments", "second_moments", "residuals"):
             assert torch.equal(getattr(memories["reused"], state)["w"], getattr(memories["computed again"], state)["w"])
     assert (len(counts["reused"]), len(counts["computed again"])) == (steps, 2 * steps)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    shapes=st.lists(st.sampled_from([(1,), (6,), (3, 7), (2, 3, 4)]), min_size=1, max_size=5),
+    residual_from=st.integers(0, 5),
+    steps=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
+)
+def test_compensating_a_buffers_tensors_together_is_compensating_each(shapes, residual_from, steps, seed):
+    """compensate_many steps every key in one fused call: the same bits as compensate key by key,
+    keys with and without a residual and fresh ones alike, and the commits keep the same state."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = [f"w{i}" for i in range(len(shapes))]
+    together, alone = build_memory("adam", feedback=0.9), build_memory("adam", feedback=0.9)
+    for step in range(steps):
+        grads = [torch.randn(shape, generator=generator) for shape in shapes]
+        batched = together.compensate_many(keys, grads)
+        single = [alone.compensate(key, grad) for key, grad in zip(keys, grads)]
+        for a, b in zip(batched, single):
+            assert torch.equal(a, b)
+        for i, (key, grad) in enumerate(zip(keys, grads)):
+            # keys from residual_from on send everything the first round: they start owing nothing
+            sent = torch.arange(grad.numel()) if step == 0 and i >= residual_from else torch.tensor([0])
+            together.update(key, grad, sent)
+            alone.update(key, grad, sent)
+    for state in ("first_moments", "second_moments", "residuals"):
+        for key in keys:
+            assert torch.equal(getattr(together, state)[key], getattr(alone, state)[key])
+
+
+def test_a_strided_gradient_is_read_in_its_logical_order():
+    """The fused Adam step reads its tensors as contiguous memory: transposed gradients give the
+    updates of their values, contiguous as the memory's contract says, round after round."""
+    memory, reference = build_memory("adam"), build_memory("adam")
+    generator = torch.Generator().manual_seed(2)
+    for step in range(3):
+        grad = torch.randn(7, 3, generator=generator, dtype=torch.float64).t()
+        compensated = memory.compensate("w", grad)
+        assert compensated.is_contiguous() and torch.equal(compensated, reference.compensate("w", grad.contiguous()))
+        if step == 0:
+            assert torch.allclose(compensated, grad / (grad.abs() + EPS), rtol=1e-15, atol=0)
+        memory.update("w", grad.clone() if step == 1 else grad, torch.tensor([step]))  # a clone: the commit steps in place
+        reference.update("w", grad.contiguous(), torch.tensor([step]))
+        for state in ("first_moments", "second_moments", "residuals"):
+            assert torch.equal(getattr(memory, state)["w"], getattr(reference, state)["w"])
+
+
+def test_a_dense_round_keeps_the_moments_compensate_dense_stepped():
+    """settle_dense after compensate_dense keeps the moments compensate_dense stepped, the same bits
+    as stepping them in place, and owes nothing."""
+    kept, stepped = build_memory("adam"), build_memory("adam")
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        grad = torch.randn(5, 4, generator=generator)
+        kept.compensate_dense("w", grad)
+        kept.settle_dense("w", grad)
+        stepped.settle_dense("w", grad)
+    assert torch.equal(kept.first_moments["w"], stepped.first_moments["w"])
+    assert torch.equal(kept.second_moments["w"], stepped.second_moments["w"])
+    assert kept.steps == stepped.steps == {"w": 4} and kept.residual("w") is None
 
 
 def test_a_gradient_changed_after_compensate_is_committed_as_it_is_now():

@@ -27,12 +27,13 @@ the sent entries to 3.7 steps and the loss after 300 steps from 2.79-2.94 to 2.4
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
+from torch.optim.adam import adam as adam_step
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from ssfusion_lightning.sparsifiers.memory import (
     MEMORIES,
@@ -129,12 +130,16 @@ def adam_settings(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[fl
 
 @dataclass
 class _Compensated:
-    """``compensate``'s tensor for ``grad``, and both tensors' versions when it returned."""
+    """``compensate``'s tensor for ``grad`` and the moments it stepped (temporaries the commit keeps
+    as the state), and both tensors' versions when it returned."""
 
     grad: Tensor
     grad_version: int
     tensor: Tensor
     version: int
+    first: Tensor
+    second: Tensor
+    step: int
 
 
 @MEMORIES.register("adam")
@@ -170,9 +175,13 @@ class AdamMemory(LocallyClipped, Memory):
         self.steps: dict[str, int] = {}
         self.residuals: dict[str, Tensor] = {}
         self._clip_factors: dict[str, float] = {}
-        #: compensate's tensor per key until its commit keeps it as the residual, where computing the
-        #: update again took a sqrt, three divisions, an add and two fresh tensors per tensor
+        #: compensate's tensors per key until its commit keeps them as the state (the moments it
+        #: stepped, u + r as the residual): the commit computes nothing again
         self._compensated: dict[str, _Compensated] = {}
+        #: per key, the host tensors its last commit replaced, for the next compensate to compute in:
+        #: fresh host tensors the size of a transformer's weights come as fresh pages (on gpt2_10m
+        #: 20,705 page faults and about 30 ms a round); a GPU's caching allocator reuses its blocks
+        self._spares: dict[str, list[Tensor]] = {}
         self._replacements: list[AveragedUpdate] = []
         self._optimizer_steps_every_tensor = False
 
@@ -236,6 +245,7 @@ class AdamMemory(LocallyClipped, Memory):
         if not self.in_optimizer:
             return False
         self._compensated.clear()
+        self._spares.clear()
         owners = self._owners()
         for key, param in params.items():
             owner = owners.get(id(param))
@@ -253,62 +263,87 @@ class AdamMemory(LocallyClipped, Memory):
         moment = self.first_moments.get(key)
         return moment is None or moment.shape != grad.shape or moment.dtype != grad.dtype
 
-    def _stepped_moments(self, key: str, grad: Tensor, in_place: bool) -> tuple[Tensor, Tensor, int]:
-        """The key's moments stepped with ``grad``, and their step count: in place into the stored
-        moments (the commit) or as temporaries (``compensate``); the same operations either way, so
-        the same bits."""
+    def _add_adam_steps_(self, totals: list[Tensor], grads: list[Tensor], firsts: list[Tensor], seconds: list[Tensor], steps: list[int]) -> None:
+        """In place, per tensor: the moments stepped with the gradient, and the total plus Adam's
+        update from them, bias-corrected at step + 1. One call of torch's fused Adam step (a single
+        pass over the four tensors, where the moments and the update took about a dozen) over the
+        tensors: its parameter is the total and its learning rate -1."""
+        if not totals:
+            return
         beta1, beta2 = self.betas
+        counts = list(torch.tensor([float(step) for step in steps], dtype=_scalar_dtype(), device=totals[0].device).unbind())
+        adam_step(
+            totals, grads, firsts, seconds, [], counts,
+            foreach=False, fused=_fused_adam_runs(totals[0]),
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=-1.0, weight_decay=0.0, eps=self.eps, maximize=False,
+        )
+
+    def _stepped_in_place(self, key: str, grad: Tensor) -> Tensor:
+        """The commit computing the round itself: the stored moments stepped with ``grad`` and the
+        update added to the residual (started at zero for a fresh key), which is returned."""
         if self._fresh(key, grad):
-            zeros = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
-            first, second, step = zeros, zeros, 1
-            if in_place:
-                self.first_moments[key], self.second_moments[key] = zeros, zeros.clone()
-                first, second = self.first_moments[key], self.second_moments[key]
-                self.residuals.pop(key, None)
-        else:
-            first, second, step = self.first_moments[key], self.second_moments[key], self.steps[key] + 1
-        if in_place:
-            first.mul_(beta1).add_(grad, alpha=1 - beta1)
-            second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            self.steps[key] = step
-        else:
-            first = torch.mul(first, beta1).add_(grad, alpha=1 - beta1)
-            second = torch.mul(second, beta2).addcmul_(grad, grad, value=1 - beta2)
-        return first, second, step
+            self.first_moments[key], self.second_moments[key] = torch.zeros_like(grad), torch.zeros_like(grad)
+            self.steps[key] = 0
+            self.residuals.pop(key, None)
+        residual = self.residuals.get(key)
+        if residual is None:
+            residual = self.residuals[key] = torch.zeros_like(self.first_moments[key])
+        self._add_adam_steps_([residual], [grad], [self.first_moments[key]], [self.second_moments[key]], [self.steps[key]])
+        self.steps[key] += 1
+        return residual
 
-    def _update_of(self, key: str, grad: Tensor, in_place: bool) -> Tensor:
-        """The round's Adam update u, from the moments stepped with ``grad`` (``_stepped_moments``)."""
-        beta1, beta2 = self.betas
-        first, second, step = self._stepped_moments(key, grad, in_place)
-        if in_place:  # the stored moments: the update takes tensors of its own
-            denominator = second.sqrt().div_(math.sqrt(1 - beta2**step)).add_(self.eps)
-            return torch.div(first, 1 - beta1**step).div_(denominator)
-        # compensate's stepped moments are temporaries: the update is computed in them (the same
-        # operations in place, so the same bits), with no fresh tensor the size of the gradient
-        denominator = second.sqrt_().div_(math.sqrt(1 - beta2**step)).add_(self.eps)
-        return first.div_(1 - beta1**step).div_(denominator)
-
-    def _compensated_for(self, key: str, grad: Tensor) -> Tensor | None:
-        """What ``compensate`` returned for this very gradient (u + r, or u where nothing was owed),
-        where neither tensor changed since: the state the commit keeps before zeroing the sent
-        positions (r + u has the bits of u + r)."""
+    def _kept(self, key: str, grad: Tensor) -> _Compensated | None:
+        """What ``compensate`` computed for this very gradient, where neither its tensor nor the
+        gradient changed since: the state the commit keeps (the residual before the sent positions
+        are zeroed, and the stepped moments)."""
         held = self._compensated.pop(key, None)
         if held is None or held.grad is not grad or held.grad._version != held.grad_version:
             return None
-        return held.tensor if held.tensor._version == held.version else None
+        return held if held.tensor._version == held.version else None
 
-    def _owed(self, key: str, grad: Tensor) -> Tensor | None:
-        residual = self.residuals.get(key)
-        return None if residual is None or self._fresh(key, grad) else residual
+    def _scratch(self, key: str) -> list[Tensor]:
+        """Three tensors in the layout of the key's moments: the spares its last commit left, else new."""
+        like = self.first_moments[key]
+        spares = [t for t in self._spares.pop(key, []) if t.shape == like.shape and t.dtype == like.dtype and t.device == like.device]
+        return (spares + [torch.empty_like(like) for _ in range(3)])[:3]
+
+    def _keep(self, key: str, held: _Compensated, residual: Tensor | None) -> None:
+        """compensate's moments (and ``residual``, or none) become the key's state; the tensors they
+        replace become its spares on the host."""
+        replaced = [self.first_moments.get(key), self.second_moments.get(key), self.residuals.pop(key, None)]
+        self.first_moments[key], self.second_moments[key], self.steps[key] = held.first, held.second, held.step
+        if residual is not None:
+            self.residuals[key] = residual
+        self._spares[key] = [t for t in replaced if t is not None and t.device.type == "cpu"]
 
     def compensate(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor:
+        return self.compensate_many([key], [grad], loss_scale)[0]
+
+    def compensate_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> list[Tensor]:
+        """u + r per key (u where nothing is owed), computed in copies of the state: the stored
+        moments and residual are untouched until the commit, which keeps the copies."""
         _refuse_scale(loss_scale)
-        self._clip_factors.pop(key, None)
-        residual = self._owed(key, grad)
-        update = self._update_of(key, self._clipped(key, grad, None, commit=False), in_place=False)
-        compensated = update if residual is None else update.add_(residual)
-        self._compensated[key] = _Compensated(grad, grad._version, compensated, compensated._version)
-        return compensated
+        totals, clipped, firsts, seconds, steps = [], [], [], [], []
+        for key, grad in zip(keys, grads):
+            self._clip_factors.pop(key, None)
+            # the fused step reads every tensor as contiguous, whatever its strides say
+            clipped.append(self._clipped(key, grad, None, commit=False).contiguous())
+            if self._fresh(key, grad):
+                firsts.append(torch.zeros_like(clipped[-1]))
+                seconds.append(torch.zeros_like(clipped[-1]))
+                totals.append(torch.zeros_like(clipped[-1]))
+                steps.append(0)
+                continue
+            residual = self.residuals.get(key)
+            first, second, total = self._scratch(key)
+            firsts.append(first.copy_(self.first_moments[key]))
+            seconds.append(second.copy_(self.second_moments[key]))
+            totals.append(total.zero_() if residual is None else total.copy_(residual))
+            steps.append(self.steps[key])
+        self._add_adam_steps_(totals, clipped, firsts, seconds, steps)
+        for key, grad, total, first, second, step in zip(keys, grads, totals, firsts, seconds, steps):
+            self._compensated[key] = _Compensated(grad, grad._version, total, total._version, first, second, step + 1)
+        return totals
 
     def update(
         self, key: str, grad: Tensor, sent_indices: Tensor, loss_scale: Tensor | None = None, verified: bool = False
@@ -316,17 +351,13 @@ class AdamMemory(LocallyClipped, Memory):
         _refuse_scale(loss_scale)
         if not verified:
             check_finite(key, grad, "gradient")
-        compensated = self._compensated_for(key, grad)
-        if compensated is not None:  # compensate computed the update from these moments: only they still step
-            self._stepped_moments(key, self._clipped(key, grad, None, commit=True), in_place=True)
-            residual = self.residuals[key] = compensated
+        held = self._kept(key, grad)
+        if held is not None:  # compensate stepped the moments and added the update: its tensors become the state
+            self._clip_factors.pop(key, None)
+            self._keep(key, held, residual=held.tensor)
+            residual = held.tensor
         else:
-            residual = self._owed(key, grad)
-            update = self._update_of(key, self._clipped(key, grad, None, commit=True), in_place=True)
-            if residual is None:
-                residual = self.residuals[key] = update
-            else:
-                residual.add_(update)
+            residual = self._stepped_in_place(key, self._clipped(key, grad, None, commit=True).contiguous())
         # a finite update comes from a finite first moment, but a second moment overflowed to inf
         # gives a finite update (zero): that one is checked whatever the caller verified
         moments = [self.second_moments[key]] if verified else [self.first_moments[key], self.second_moments[key], residual]
@@ -340,9 +371,13 @@ class AdamMemory(LocallyClipped, Memory):
     def settle_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> None:
         _refuse_scale(loss_scale)
         check_finite(key, grad, "gradient")
-        self._compensated.pop(key, None)
-        self._stepped_moments(key, self._clipped(key, grad, None, commit=True), in_place=True)  # no residual: no update
-        self.residuals.pop(key, None)
+        held = self._kept(key, grad)
+        if held is not None:  # the moments compensate_dense stepped; the update went out whole
+            self._clip_factors.pop(key, None)
+            self._keep(key, held, residual=None)
+        else:
+            self._stepped_in_place(key, self._clipped(key, grad, None, commit=True).contiguous())
+        self.residuals.pop(key, None)  # a dense slot owes nothing
         _checked_commit(key, [self.first_moments[key], self.second_moments[key]], self._states)
 
     @property
@@ -376,12 +411,14 @@ class AdamMemory(LocallyClipped, Memory):
         self.residuals, self.steps = loaded["residuals"], steps
         self._clip_factors.clear()
         self._compensated.clear()
+        self._spares.clear()
 
     def reset(self) -> None:
         for state in self._states:
             state.clear()
         self._clip_factors.clear()
         self._compensated.clear()
+        self._spares.clear()
 
 
 #: the refusal of a GradScaler's scaled gradients, also raised by the strategy at setup
@@ -389,6 +426,14 @@ SCALED_GRADIENTS_REFUSED = (
     "memory='adam' takes unscaled gradients, but fp16 mixed precision's GradScaler scales them; "
     "use precision='bf16-mixed' or '32-true' with memory='adam'"
 )
+
+
+def _fused_adam_runs(tensor: Tensor) -> bool:
+    """Whether torch has a fused Adam step for ``tensor``'s device and dtype (else its per-tensor one)."""
+    return tensor.device.type in _get_fused_kernels_supported_devices() and tensor.dtype in _FUSED_DTYPES
+
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _scalar_dtype() -> torch.dtype:
