@@ -124,31 +124,71 @@ def test_the_commit_adds_compensates_update_with_the_bits_of_computing_it_again(
 
 @settings(max_examples=20, deadline=None)
 @given(
-    shapes=st.lists(st.sampled_from([(1,), (6,), (3, 7), (2, 3, 4)]), min_size=1, max_size=5),
-    residual_from=st.integers(0, 5),
-    steps=st.integers(1, 4),
+    shapes=st.lists(st.sampled_from([(1,), (6,), (3, 7), (2, 3, 4)]), min_size=2, max_size=5),
+    rounds=st.lists(st.sampled_from(["sparse", "sparse", "dense", "reshape"]), min_size=1, max_size=6),
     seed=st.integers(0, 10_000),
 )
-def test_compensating_a_buffers_tensors_together_is_compensating_each(shapes, residual_from, steps, seed):
-    """compensate_many steps every key in one fused call: the same bits as compensate key by key,
-    keys with and without a residual and fresh ones alike, and the commits keep the same state."""
+def test_a_buffers_tensors_together_give_the_bits_of_one_at_a_time(shapes, rounds, seed):
+    """compensate_many, update_many, compensate_dense_many and settle_dense_many step every key in
+    one fused call and check them together: the same bits as one key at a time, over sparse and
+    dense rounds, fresh keys, keys owing a residual when they go dense, and a key changing shape."""
     generator = torch.Generator().manual_seed(seed)
     keys = [f"w{i}" for i in range(len(shapes))]
     together, alone = build_memory("adam", feedback=0.9), build_memory("adam", feedback=0.9)
-    for step in range(steps):
+    for kind in rounds:
+        if kind == "reshape":  # a re-planned tensor of another size starts afresh
+            shapes = [(shapes[0][0] + 1,), *shapes[1:]]
         grads = [torch.randn(shape, generator=generator) for shape in shapes]
-        batched = together.compensate_many(keys, grads)
-        single = [alone.compensate(key, grad) for key, grad in zip(keys, grads)]
+        if kind == "dense":
+            batched = together.compensate_dense_many(keys, grads)
+            single = [alone.compensate_dense(key, grad) for key, grad in zip(keys, grads)]
+        else:
+            batched = together.compensate_many(keys, grads)
+            single = [alone.compensate(key, grad) for key, grad in zip(keys, grads)]
         for a, b in zip(batched, single):
             assert torch.equal(a, b)
-        for i, (key, grad) in enumerate(zip(keys, grads)):
-            # keys from residual_from on send everything the first round: they start owing nothing
-            sent = torch.arange(grad.numel()) if step == 0 and i >= residual_from else torch.tensor([0])
-            together.update(key, grad, sent)
-            alone.update(key, grad, sent)
-    for state in ("first_moments", "second_moments", "residuals"):
-        for key in keys:
-            assert torch.equal(getattr(together, state)[key], getattr(alone, state)[key])
+        if kind == "dense":
+            together.settle_dense_many(keys, grads)
+            for key, grad in zip(keys, grads):
+                alone.settle_dense(key, grad)
+        else:
+            sent = [torch.randperm(g.numel(), generator=generator)[: max(1, g.numel() // 3)] for g in grads]
+            together.update_many(keys, grads, sent, verified=True)
+            for key, grad, positions in zip(keys, grads, sent):
+                alone.update(key, grad, positions, verified=True)
+        assert together.steps == alone.steps
+        for state in ("first_moments", "second_moments", "residuals"):
+            assert getattr(together, state).keys() == getattr(alone, state).keys()
+            for key, tensor in getattr(together, state).items():
+                assert torch.equal(tensor, getattr(alone, state)[key])
+
+
+def test_a_batched_commit_drops_every_overflowed_key_and_names_the_first():
+    """A second moment that overflows in a batched commit costs that key its state, as one at a
+    time; every other key keeps its commit, and the error names the first key that overflowed."""
+    for commit in ("update_many", "settle_dense_many"):
+        memory = build_memory("adam")
+        keys = ["a", "b", "c", "d"]
+        grads = [torch.ones(3), torch.full((3,), 1e22), torch.ones(3), torch.full((3,), 1e22)]  # (1 - b2) g g overflows fp32
+        if commit == "update_many":
+            memory.compensate_many(keys, grads)
+            call = lambda: memory.update_many(keys, grads, [torch.tensor([0])] * 4, verified=True)  # noqa: E731
+        else:
+            memory.compensate_dense_many(keys, grads)
+            call = lambda: memory.settle_dense_many(keys, grads)  # noqa: E731
+        with pytest.raises(FloatingPointError, match="'b'"):
+            call()
+        assert set(memory.second_moments) == set(memory.steps) == {"a", "c"}, commit
+        assert memory.steps == {"a": 1, "c": 1}
+
+
+def test_dense_slots_settled_together_refuse_a_non_finite_gradient_by_name():
+    memory = build_memory("adam")
+    keys, grads = ["a", "b"], [torch.ones(3), torch.tensor([1.0, float("nan")])]
+    memory.compensate_dense_many(keys, grads)
+    with pytest.raises(FloatingPointError, match="'b'"):
+        memory.settle_dense_many(keys, grads)
+    assert "b" not in memory.first_moments  # the NaN never entered its state
 
 
 def test_a_strided_gradient_is_read_in_its_logical_order():

@@ -46,6 +46,7 @@ from ssfusion_lightning.sparsifiers.memory import (
     validated_clip_norm,
     validated_feedback,
 )
+from ssfusion_lightning.sparsifiers.selection import all_finite
 
 #: the group settings an Adam step has beyond its learning rate and decoupled weight decay: they must
 #: be plain Adam's for the taken-over step to be the optimizer's
@@ -351,13 +352,7 @@ class AdamMemory(LocallyClipped, Memory):
         _refuse_scale(loss_scale)
         if not verified:
             check_finite(key, grad, "gradient")
-        held = self._kept(key, grad)
-        if held is not None:  # compensate stepped the moments and added the update: its tensors become the state
-            self._clip_factors.pop(key, None)
-            self._keep(key, held, residual=held.tensor)
-            residual = held.tensor
-        else:
-            residual = self._stepped_in_place(key, self._clipped(key, grad, None, commit=True).contiguous())
+        residual = self._committed(key, grad, owes=True)
         # a finite update comes from a finite first moment, but a second moment overflowed to inf
         # gives a finite update (zero): that one is checked whatever the caller verified
         moments = [self.second_moments[key]] if verified else [self.first_moments[key], self.second_moments[key], residual]
@@ -365,20 +360,78 @@ class AdamMemory(LocallyClipped, Memory):
         _zero_at(residual, sent_indices)
         _keep_(residual, self.feedback)
 
+    def update_many(
+        self,
+        keys: Sequence[str],
+        grads: Sequence[Tensor],
+        sent_indices: Sequence[Tensor],
+        loss_scale: Tensor | None = None,
+        verified: bool = False,
+    ) -> None:
+        """``update`` of each key, with one check of the second moments for all of them: a check a
+        key cost a buffer of small tensors more than their commit."""
+        if not verified or len(keys) < 2:
+            return super().update_many(keys, grads, sent_indices, loss_scale, verified)
+        _refuse_scale(loss_scale)
+        residuals = [self._committed(key, grad, owes=True) for key, grad in zip(keys, grads)]
+        for residual, sent in zip(residuals, sent_indices):
+            _zero_at(residual, sent)
+            _keep_(residual, self.feedback)
+        if not bool(all_finite([self.second_moments[key] for key in keys])):
+            self._drop_overflowed(keys, lambda key: [self.second_moments[key]])
+        return None
+
     def compensate_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> Tensor:
         return self.compensate(key, grad, loss_scale)
+
+    def compensate_dense_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> list[Tensor | None]:
+        """A buffer's dense slots in one fused call: a call per key cost the small tensors of a
+        language model more than their arithmetic."""
+        return list(self.compensate_many(keys, grads, loss_scale))
 
     def settle_dense(self, key: str, grad: Tensor, loss_scale: Tensor | None = None) -> None:
         _refuse_scale(loss_scale)
         check_finite(key, grad, "gradient")
-        held = self._kept(key, grad)
-        if held is not None:  # the moments compensate_dense stepped; the update went out whole
-            self._clip_factors.pop(key, None)
-            self._keep(key, held, residual=None)
-        else:
-            self._stepped_in_place(key, self._clipped(key, grad, None, commit=True).contiguous())
-        self.residuals.pop(key, None)  # a dense slot owes nothing
+        self._committed(key, grad, owes=False)
         _checked_commit(key, [self.first_moments[key], self.second_moments[key]], self._states)
+
+    def settle_dense_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> None:
+        """``settle_dense`` of each key, with one check of the gradients and one of the moments."""
+        if len(keys) < 2 or not bool(all_finite(list(grads))):
+            return super().settle_dense_many(keys, grads, loss_scale)  # names the first non-finite one
+        _refuse_scale(loss_scale)
+        for key, grad in zip(keys, grads):
+            self._committed(key, grad, owes=False)
+        if not bool(all_finite([self.first_moments[key] for key in keys] + [self.second_moments[key] for key in keys])):
+            self._drop_overflowed(keys, lambda key: [self.first_moments[key], self.second_moments[key]])
+        return None
+
+    def _drop_overflowed(self, keys: Sequence[str], checked: Callable[[str], list[Tensor]]) -> None:
+        """After a batched commit: every key with a non-finite ``checked`` state loses its state, as
+        one at a time, and the first one's error is raised."""
+        first_error = None
+        for key in keys:
+            try:
+                _checked_commit(key, checked(key), self._states)
+            except FloatingPointError as error:
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def _committed(self, key: str, grad: Tensor, owes: bool) -> Tensor | None:
+        """The round of ``grad`` committed: the moments stepped (compensate's, where it computed
+        them for this very gradient) and, where the key ``owes``, u + r kept as the residual, which
+        is returned before its sent positions are zeroed; else the key owes nothing."""
+        held = self._kept(key, grad)
+        if held is not None:  # compensate stepped the moments and added the update: its tensors become the state
+            self._clip_factors.pop(key, None)
+            self._keep(key, held, residual=held.tensor if owes else None)
+            return held.tensor if owes else None
+        residual = self._stepped_in_place(key, self._clipped(key, grad, None, commit=True).contiguous())
+        if owes:
+            return residual
+        self.residuals.pop(key, None)
+        return None
 
     @property
     def _states(self) -> list[dict[str, Any]]:
