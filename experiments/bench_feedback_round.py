@@ -1,8 +1,11 @@
 """Micro-benchmark of one error-feedback round per memory: ``compensate_many`` and ``update_many``
 over a workload's large tensors (those of at least 4096 elements, what a selective plan sparsifies),
-1% of each tensor's positions sent, one intra-op thread, random gradients.
+1% of each tensor's positions sent, one intra-op thread, random gradients. ``--slots dense``: the
+dense round of its small tensors instead (``compensate_dense_many`` and ``settle_dense_many``, what a
+plan does with the tensors it sends whole).
 
     python -m experiments.bench_feedback_round --workload gpt2_10m
+    python -m experiments.bench_feedback_round --workload text --slots dense
     python -m experiments.bench_feedback_round --workload gpt2 --rounds 5      # smoke run
 
 Per memory, interleaved round by round: the median time of the compensation and of the commit, and
@@ -28,10 +31,10 @@ from ssfusion_lightning.sparsifiers import MEMORIES
 LARGE = 4096
 
 
-def measure(workload: str, memories: list[str], rounds: int) -> list[dict[str, float | str]]:
+def measure(workload: str, memories: list[str], rounds: int, slots: str = "sparse") -> list[dict[str, float | str]]:
     torch.manual_seed(0)
     _, model, _, _ = build_workload(workload, False, 0)
-    params = [(name, p) for name, p in model.named_parameters() if p.numel() >= LARGE]
+    params = [(name, p) for name, p in model.named_parameters() if (p.numel() >= LARGE) == (slots == "sparse")]
     keys = [name for name, _ in params]
     grads = [torch.randn_like(p) for _, p in params]
     sent = [torch.randperm(g.numel())[: max(1, g.numel() // 100)] for g in grads]
@@ -43,9 +46,14 @@ def measure(workload: str, memories: list[str], rounds: int) -> list[dict[str, f
         for name, memory in built.items():
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             started = time.perf_counter()
-            compensated = memory.compensate_many(keys, grads)
-            compensated_at = time.perf_counter()
-            memory.update_many(keys, grads, sent, verified=True)
+            if slots == "sparse":
+                compensated = memory.compensate_many(keys, grads)
+                compensated_at = time.perf_counter()
+                memory.update_many(keys, grads, sent, verified=True)
+            else:
+                compensated = memory.compensate_dense_many(keys, grads)
+                compensated_at = time.perf_counter()
+                memory.settle_dense_many(keys, grads)
             committed_at = time.perf_counter()
             del compensated
             samples[name]["compensate"].append(compensated_at - started)
@@ -64,8 +72,8 @@ def table(rows: list[dict[str, float | str]]) -> list[str]:
     lines = ["| memory | tensors | elements | compensate ms | commit ms | round ms | minor page faults a round |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['memory']} | {r['tensors']} | {r['elements']} | {r['compensate_ms']:.1f} | {r['commit_ms']:.1f} "
-                     f"| {r['compensate_ms'] + r['commit_ms']:.1f} | {r['faults']:.0f} |")
+        lines.append(f"| {r['memory']} | {r['tensors']} | {r['elements']} | {r['compensate_ms']:.2f} | {r['commit_ms']:.2f} "
+                     f"| {r['compensate_ms'] + r['commit_ms']:.2f} | {r['faults']:.0f} |")
     return lines
 
 
@@ -74,13 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="gpt2_10m", choices=sorted(WORKLOADS))
     parser.add_argument("--memories", nargs="+", default=["residual", "adam"], choices=sorted(MEMORIES.names()))
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--slots", default="sparse", choices=["sparse", "dense"],
+                        help="sparse: the large tensors' sparse round; dense: the small tensors' dense round")
     parser.add_argument("--name", default="feedback_round")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    lines = table(measure(args.workload, args.memories, args.rounds))
+    lines = table(measure(args.workload, args.memories, args.rounds, args.slots))
     command = (f"`python -m experiments.bench_feedback_round --workload {args.workload} --memories {' '.join(args.memories)} "
-               f"--rounds {args.rounds}` (one thread; medians over the rounds, memories interleaved)")
+               f"--rounds {args.rounds} --slots {args.slots}` (one thread; medians over the rounds, memories interleaved)")
     publish_md("\n".join([command, "", *lines]), args.name, args.out)
     return 0
 

@@ -952,3 +952,5 @@ def test_feedback_round_times_each_memory_on_the_workloads_large_tensors(tmp_pat
     assert all(r["tensors"] > 0 and r["elements"] >= 4096 * r["tensors"] and r["compensate_ms"] > 0 for r in rows)
     assert bench_feedback_round.main(["--workload", "gpt2", "--rounds", "2", "--name", "round", "--out", str(tmp_path)]) == 0
     assert "| adam |" in (tmp_path / "round.md").read_text()
+    dense = bench_feedback_round.measure("gpt2", ["adam"], rounds=2, slots="dense")
+    assert dense[0]["tensors"] > 0 and dense[0]["elements"] < 4096 * dense[0]["tensors"]
