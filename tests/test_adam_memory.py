@@ -182,15 +182,6 @@ def test_a_batched_commit_drops_every_overflowed_key_and_names_the_first():
         assert memory.steps == {"a": 1, "c": 1}
 
 
-def test_dense_slots_settled_together_refuse_a_non_finite_gradient_by_name():
-    memory = build_memory("adam")
-    keys, grads = ["a", "b"], [torch.ones(3), torch.tensor([1.0, float("nan")])]
-    memory.compensate_dense_many(keys, grads)
-    with pytest.raises(FloatingPointError, match="'b'"):
-        memory.settle_dense_many(keys, grads)
-    assert "b" not in memory.first_moments  # the NaN never entered its state
-
-
 def test_a_strided_gradient_is_read_in_its_logical_order():
     """The fused Adam step reads its tensors as contiguous memory: transposed gradients give the
     updates of their values, contiguous as the memory's contract says, round after round."""

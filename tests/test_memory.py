@@ -465,13 +465,14 @@ def test_sparse_slots_committed_together_unverified_still_refuse_a_non_finite_gr
         assert torch.equal(memory.residual("b"), before)  # the NaN never entered its state
 
 
-def test_dgc_dense_slots_settled_together_refuse_a_non_finite_gradient_by_name():
-    memory = build_memory("dgc")
+@pytest.mark.parametrize("kind, state", [("dgc", "momenta"), ("adam", "first_moments")])
+def test_dense_slots_settled_together_refuse_a_non_finite_gradient_by_name(kind, state):
+    memory = build_memory(kind)
     keys, grads = ["a", "b"], [torch.ones(3), torch.tensor([1.0, float("nan")])]
     memory.compensate_dense_many(keys, grads)
     with pytest.raises(FloatingPointError, match="'b'"):
         memory.settle_dense_many(keys, grads)
-    assert "b" not in memory.momenta  # the NaN never entered its state
+    assert "b" not in getattr(memory, state)  # the NaN never entered its state
 
 
 @settings(max_examples=20, deadline=None)
