@@ -308,7 +308,7 @@ class AdamMemory(LocallyClipped, Memory):
         spares = [t for t in self._spares.pop(key, []) if t.shape == like.shape and t.dtype == like.dtype and t.device == like.device]
         return (spares + [torch.empty_like(like) for _ in range(3)])[:3]
 
-    def _keep(self, key: str, held: _Compensated, residual: Tensor | None) -> None:
+    def _adopt(self, key: str, held: _Compensated, residual: Tensor | None) -> None:
         """compensate's moments (and ``residual``, or none) become the key's state; the tensors they
         replace become its spares on the host."""
         replaced = [self.first_moments.get(key), self.second_moments.get(key), self.residuals.pop(key, None)]
@@ -425,7 +425,7 @@ class AdamMemory(LocallyClipped, Memory):
         held = self._kept(key, grad)
         if held is not None:  # compensate stepped the moments and added the update: its tensors become the state
             self._clip_factors.pop(key, None)
-            self._keep(key, held, residual=held.tensor if owes else None)
+            self._adopt(key, held, residual=held.tensor if owes else None)
             return held.tensor if owes else None
         residual = self._stepped_in_place(key, self._clipped(key, grad, None, commit=True).contiguous())
         if owes:
