@@ -417,6 +417,39 @@ def test_a_lr_scheduler_moved_to_the_replacement_does_not_warn():
     assert replacement.param_groups[0]["lr"] == 0.5
 
 
+def test_the_averaged_update_is_decoupled_decay_on_every_layout(monkeypatch):
+    """p <- p - lr (update + wd p) per group: through torch's fused step where every gradient is laid
+    out as its parameter (channels_last too), and right for a gradient strided otherwise (which the
+    fused kernel would read as its parameter's layout), a float64 group and a parameter without a
+    gradient."""
+    fused_calls = []
+    fused_sgd = torch._fused_sgd_
+    monkeypatch.setattr(torch, "_fused_sgd_", lambda *a, **kw: fused_calls.append(len(a[0])) or fused_sgd(*a, **kw))
+    torch.manual_seed(0)
+    flat, strided, wide, idle = (nn.Parameter(torch.randn(*shape)) for shape in [(5, 3), (4, 6), (3,), (2,)])
+    kernel = nn.Parameter(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    double = nn.Parameter(torch.randn(7, dtype=torch.float64))
+    adamw = torch.optim.AdamW(
+        [{"params": [flat, wide, idle, kernel], "weight_decay": 0.1}, {"params": [strided], "weight_decay": 0.2},
+         {"params": [double], "weight_decay": 0.0, "lr": 0.25}],
+        lr=0.5,
+    )
+    (replacement,) = build_memory("adam").take_over([adamw])
+    flat.grad, wide.grad, double.grad = torch.randn(5, 3), torch.randn(3), torch.randn(7, dtype=torch.float64)
+    strided.grad = torch.randn(6, 4).t()
+    kernel.grad = torch.randn_like(kernel)
+    expected = {
+        id(p): p.detach() - lr * (p.grad + wd * p.detach())
+        for p, lr, wd in [(flat, 0.5, 0.1), (wide, 0.5, 0.1), (kernel, 0.5, 0.1), (strided, 0.5, 0.2), (double, 0.25, 0.0)]
+    }
+    before_idle = idle.detach().clone()
+    replacement.step()
+    for p in (flat, wide, kernel, strided, double):
+        torch.testing.assert_close(p.detach(), expected[id(p)], rtol=1e-6, atol=1e-6)
+    assert torch.equal(idle.detach(), before_idle)
+    assert fused_calls == [3, 1]  # the groups laid out alike in one kernel call each; the strided one not
+
+
 def test_a_scaled_gradient_is_refused():
     with pytest.raises(ValueError, match="GradScaler"):
         build_memory("adam").compensate("w", torch.ones(3), loss_scale=torch.tensor(1024.0))

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as adam_step
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
+from torch.optim.sgd import sgd as sgd_step
 
 from ssfusion_lightning.sparsifiers.memory import (
     MEMORIES,
@@ -84,8 +85,22 @@ class AveragedUpdate(torch.optim.SGD):
         if self.steps_adam:
             self.replaced.step()
         else:
-            super().step()
+            for group in self.param_groups:
+                self._apply_averaged_update(group)
         return loss
+
+    def _apply_averaged_update(self, group: dict[str, Any]) -> None:
+        """p <- p - lr (update + weight_decay p) for the group's parameters with a gradient, in one
+        pass of torch's fused SGD step where it has one for them (SGD's default on the host is a loop
+        of two passes a tensor, one of them into a fresh tensor the size of the weight, whose pages the
+        kernel faults in every step), else in SGD's own step."""
+        params = [p for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        sgd_step(
+            params, grads, [None] * len(params), has_sparse_grad=any(g.is_sparse for g in grads),
+            fused=True if _fused_sgd_runs(params, grads) else None,  # None: SGD's default for the device
+            weight_decay=group["weight_decay"], momentum=0.0, lr=group["lr"], dampening=0.0, nesterov=False, maximize=False,
+        )
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
@@ -275,7 +290,7 @@ class AdamMemory(LocallyClipped, Memory):
         counts = list(torch.tensor([float(step) for step in steps], dtype=_scalar_dtype(), device=totals[0].device).unbind())
         adam_step(
             totals, grads, firsts, seconds, [], counts,
-            foreach=False, fused=_fused_adam_runs(totals[0]),
+            foreach=False, fused=_fused_kernel_runs(totals[0]),
             amsgrad=False, beta1=beta1, beta2=beta2, lr=-1.0, weight_decay=0.0, eps=self.eps, maximize=False,
         )
 
@@ -481,12 +496,30 @@ SCALED_GRADIENTS_REFUSED = (
 )
 
 
-def _fused_adam_runs(tensor: Tensor) -> bool:
-    """Whether torch has a fused Adam step for ``tensor``'s device and dtype (else its per-tensor one)."""
+def _fused_kernel_runs(tensor: Tensor) -> bool:
+    """Whether torch has fused optimizer steps (Adam's, SGD's) for ``tensor``'s device and dtype."""
     return tensor.device.type in _get_fused_kernels_supported_devices() and tensor.dtype in _FUSED_DTYPES
 
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fused_sgd_runs(params: Sequence[Tensor], grads: Sequence[Tensor]) -> bool:
+    """Whether torch's fused SGD step takes these tensors: of one device and dtype it has a kernel
+    for, each parameter dense in memory and its gradient laid out alike (the kernel reads both as
+    flat memory, whatever their strides say)."""
+    if not params:
+        return False
+    first = params[0]
+    return _fused_kernel_runs(first) and all(
+        p.device == first.device and p.dtype == g.dtype == first.dtype and not g.is_sparse
+        and g.stride() == p.stride() and _dense_in_memory(p)
+        for p, g in zip(params, grads)
+    )
+
+
+def _dense_in_memory(tensor: Tensor) -> bool:
+    return any(tensor.is_contiguous(memory_format=form) for form in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d))
 
 
 def _scalar_dtype() -> torch.dtype:
