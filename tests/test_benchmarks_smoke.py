@@ -944,6 +944,16 @@ def test_side_by_side_overlap_targets_mark_what_is_met_and_skip_cells_without_th
     assert overlap_targets({("40mbit", "gpt2"): {"compute_only": {}, "ssfusion": mine}}) == []
 
 
+def test_averaged_update_times_the_replacement_beside_sgd_and_adamw(tmp_path):
+    from experiments import bench_averaged_update
+
+    rows = bench_averaged_update.measure("gpt2", steps=2)
+    assert [r["step"].split(" ")[0] for r in rows] == ["AveragedUpdate.step", "torch", "AdamW", "AdamW"]
+    assert all(r["tensors"] > 0 and r["elements"] > 0 and r["ms"] > 0 for r in rows)
+    assert bench_averaged_update.main(["--workload", "gpt2", "--steps", "2", "--name", "step", "--out", str(tmp_path)]) == 0
+    assert "| AveragedUpdate.step (fused SGD kernel) |" in (tmp_path / "step.md").read_text()
+
+
 def test_feedback_round_times_each_memory_on_the_workloads_large_tensors(tmp_path):
     from experiments import bench_feedback_round
 
