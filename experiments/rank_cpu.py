@@ -5,8 +5,10 @@ training run on the emulated cluster, per step, and with ``--perf`` rank 1's CPU
     python -m experiments.rank_cpu --scheme ssfusion --overrides '{"density": 0.01, "memory": "dgc"}' --perf \\
         --name rank_cpu_ssfusion_dgc
 
-A step-time ratio says that a scheme costs more; this says on which thread, and in which library
-(the interpreter, torch's operators, the allocator, the kernel). Four ranks on two cores make every
+A step-time ratio says that a scheme costs more; this says on which thread, in which library
+(the interpreter, torch's operators, the allocator, the kernel) and, with ``--pyspy``, in which of the
+engine's steps (rank 1 sampled with py-spy, ``pip install py-spy``: the share of its samples inside each
+of the engine's functions, its hooks' work in the backward and its ``finish`` after it). Four ranks on two cores make every
 millisecond of a rank's CPU about two of the step, so this is where the step goes there.
 
 The run is one bench_e2e world (experiments/e2e_worker.py, the time-to-accuracy workloads
@@ -83,7 +85,48 @@ def perf_by_library(pid: int, seconds: float, workdir: Path) -> dict[str, float]
     return samples
 
 
-def sample(spec: Path, settle: float, span: float, with_perf: bool, workdir: Path, box: dict[str, Any]) -> None:
+#: where a function's samples count: the engine's, the memories', the sparsifiers' and the policies' own
+ENGINE_MODULES = ("ssfusion_lightning/engine/", "ssfusion_lightning/sparsifiers/", "ssfusion_lightning/fusion/",
+                  "ssfusion_lightning/comm/", "ssfusion_lightning/strategy.py")
+
+
+def _counted(name: str, where: str) -> bool:
+    """A frame the table lists: the engine's (and the strategy's, whose ``training_step`` holds the
+    forward), autograd's backward, and the optimizer's arithmetic (not its ``step``, inside which
+    Lightning runs the whole closure)."""
+    if any(module in where for module in ENGINE_MODULES) or name == "_engine_run_backward":
+        return True
+    wrappers = ("/optimizer.py", "lr_scheduler.py")
+    return "torch/optim/" in where and not any(w in where for w in wrappers) and not name.endswith("step")
+
+
+def pyspy_by_function(pid: int, seconds: float, workdir: Path, rate: int = 250) -> dict[str, float] | None:
+    """Share of ``pid``'s samples (every thread) inside each engine function, inclusive, from
+    ``py-spy record``; None without py-spy."""
+    if shutil.which("py-spy") is None:
+        return None
+    raw = workdir / "rank.pyspy"
+    subprocess.run(["py-spy", "record", "-d", str(int(seconds)), "-r", str(rate), "-p", str(pid), "-f", "raw", "-o", str(raw),
+                    "--nonblocking", "--full-filenames"], capture_output=True, check=False)
+    if not raw.exists():
+        return None
+    inside: dict[str, int] = defaultdict(int)
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        total += int(count)
+        names = set()
+        for frame in stack.split(";"):
+            name, _, where = frame.partition(" (")
+            if _counted(name, where):
+                names.add(name)
+        for name in names:
+            inside[name] += int(count)
+    return {name: count / total for name, count in inside.items()} if total else None
+
+
+def sample(spec: Path, settle: float, span: float, with_perf: bool, workdir: Path, box: dict[str, Any],
+           with_pyspy: bool = False) -> None:
     """Find the ranks of ``spec``, wait ``settle`` s, then read their threads over ``span`` s."""
     pids: list[int] = []
     deadline = time.monotonic() + 120
@@ -93,16 +136,18 @@ def sample(spec: Path, settle: float, span: float, with_perf: bool, workdir: Pat
         time.sleep(0.5)
     time.sleep(settle)
     before, started = thread_cpu(pids), time.monotonic()
-    perf = None
+    perf = pyspy = None
     if with_perf and len(pids) > 1:
         perf = perf_by_library(pids[1], span, workdir)
+    if with_pyspy and len(pids) > 1:
+        pyspy = pyspy_by_function(pids[1], span - (time.monotonic() - started), workdir)
     time.sleep(max(0.0, span - (time.monotonic() - started)))
     after, wall = thread_cpu(pids), time.monotonic() - started
     per_kind: dict[str, float] = defaultdict(float)
     for key, (name, seconds) in after.items():
         if key in before:
             per_kind[thread_kind(key[0], key[1], name)] += (seconds - before[key][1]) / wall / len(pids)
-    box.update(per_kind=dict(per_kind), perf=perf, ranks=len(pids))
+    box.update(per_kind=dict(per_kind), perf=perf, pyspy=pyspy, ranks=len(pids))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=30.0, help="seconds after the ranks start before reading")
     parser.add_argument("--span", type=float, default=12.0, help="seconds the threads are read over")
     parser.add_argument("--perf", action="store_true", help="also rank 1's CPU by shared library (perf record)")
+    parser.add_argument("--pyspy", action="store_true", help="also rank 1's samples by engine function (py-spy record)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nice", type=int, default=-5)
     parser.add_argument("--timeout", type=float, default=900)
@@ -133,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         box: dict[str, Any] = {"world": args.world}
         sampler = threading.Thread(target=sample, args=(workdir / f"P{args.world}" / "spec.json", args.settle, args.span,
-                                                        args.perf, workdir, box), daemon=True)
+                                                        args.perf, workdir, box, args.pyspy), daemon=True)
         sampler.start()
         runs = run_world(args.world, [{"label": args.rate, "runs": [run]}], args, workdir)
         sampler.join(timeout=60)
@@ -154,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         for library, share in sorted(box["perf"].items(), key=lambda item: -item[1]):
             if share * step * 1e3 >= 0.1:
                 lines.append(f"| {library} | {share * step * 1e3:.1f} |")
+    if box.get("pyspy"):
+        lines += ["", "| rank 1, inside (py-spy samples, every thread; nested functions count in each) | share | ms a step |",
+                  "|---|---:|---:|"]
+        for name, share in sorted(box["pyspy"].items(), key=lambda item: -item[1]):
+            if share >= 0.005:
+                lines.append(f"| {name} | {100 * share:.1f}% | {share * step * 1e3:.1f} |")
     text = "\n".join(lines)
     if args.name:
         publish_md(text, args.name, args.out)
