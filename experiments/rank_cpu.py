@@ -108,11 +108,15 @@ def pyspy_by_function(pid: int, seconds: float, workdir: Path, rate: int = 250) 
     raw = workdir / "rank.pyspy"
     subprocess.run(["py-spy", "record", "-d", str(int(seconds)), "-r", str(rate), "-p", str(pid), "-f", "raw", "-o", str(raw),
                     "--nonblocking", "--full-filenames"], capture_output=True, check=False)
-    if not raw.exists():
-        return None
+    return shares_by_function(raw.read_text()) if raw.exists() else None
+
+
+def shares_by_function(raw: str) -> dict[str, float] | None:
+    """py-spy's raw output (a stack of frames and its sample count a line) -> the share of the samples
+    inside each listed function (``_counted``), a stack counting once per function however deep it nests."""
     inside: dict[str, int] = defaultdict(int)
     total = 0
-    for line in raw.read_text().splitlines():
+    for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
         total += int(count)
         names = set()

@@ -722,6 +722,21 @@ def test_timeline_spread_measures_the_ranks_drift_from_their_events():
     assert row["tail_ms"] == [3.0, 10.0]
 
 
+def test_rank_cpu_shares_py_spy_samples_by_the_engines_functions():
+    from experiments.rank_cpu import shares_by_function
+
+    engine = "/x/ssfusion_lightning/engine/engine.py"
+    raw = "\n".join([
+        f"main (run.py:1);_engine_run_backward (/t/torch/autograd/graph.py:9);FusionEngine._mark_ready ({engine}:5);"
+        f"FusionEngine._mark_ready ({engine}:5) 3",
+        "main (run.py:1);SGD.step (/t/torch/optim/sgd.py:1);_use_grad (/t/torch/optim/optimizer.py:2);"
+        "_single_tensor_sgd (/t/torch/optim/sgd.py:3) 1",
+    ])
+    shares = shares_by_function(raw)
+    assert shares == {"_engine_run_backward": 0.75, "FusionEngine._mark_ready": 0.75, "_single_tensor_sgd": 0.25}
+    assert shares_by_function("") is None
+
+
 def test_rank_cpu_reads_each_threads_cpu_and_names_its_kind():
     """The /proc reading rank_cpu sums per thread kind: a busy main thread's CPU time grows while an
     idle helper thread's does not, and gloo's thread names are told apart from the engine's."""
