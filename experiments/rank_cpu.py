@@ -144,7 +144,7 @@ def sample(spec: Path, settle: float, span: float, with_perf: bool, workdir: Pat
     if with_perf and len(pids) > 1:
         perf = perf_by_library(pids[1], span, workdir)
     if with_pyspy and len(pids) > 1:
-        pyspy = pyspy_by_function(pids[1], span - (time.monotonic() - started), workdir)
+        pyspy = pyspy_by_function(pids[1], max(1.0, span - (time.monotonic() - started)), workdir)  # after --perf's share
     time.sleep(max(0.0, span - (time.monotonic() - started)))
     after, wall = thread_cpu(pids), time.monotonic() - started
     per_kind: dict[str, float] = defaultdict(float)
