@@ -737,6 +737,35 @@ def test_rank_cpu_shares_py_spy_samples_by_the_engines_functions():
     assert shares_by_function("") is None
 
 
+@pytest.mark.parametrize("memory", ["residual", "dgc", "adam"])
+def test_engine_floor_round_sends_exactly_k_and_writes_every_ranks_values(memory):
+    import torch
+
+    from experiments.engine_floor import DENSITY, WORLD, FlatRound
+
+    flat = FlatRound(10_000, memory, contract=True, clips=memory == "adam")
+    for _ in range(3):  # the state moves on: each round's threshold is its own k-th magnitude
+        times = flat.round()
+        positions, values = flat.sent
+        assert positions.numel() == math.ceil(DENSITY * 10_000)
+        assert torch.equal(flat.averaged[positions], values * WORLD)
+        assert int(torch.count_nonzero(flat.averaged)) == positions.numel()
+    assert set(times) == {"clip", "compensate", "check", "select", "commit", "write"}
+
+
+def test_engine_floor_budgets_come_from_the_side_by_side_rows():
+    from experiments.engine_floor import budgets
+
+    def scheme(wall, proc, **extra):
+        return {"wall_ms": wall, "proc_ms": proc, **extra}
+
+    side = {"results": {"40mbit gpt2": {
+        "compute_only": scheme(90.0, 80.0), "compute_sync": scheme(95.0, 82.0),
+        "ddp_powersgd": scheme(120.0, 100.0), "ssfusion": scheme(130.0, 110.0, compress_ms=20.0),
+    }, "40mbit resnet18": {}}}
+    assert budgets(side, "gpt2") == {"40mbit": {"step": 5.0, "powersgd": 25.0, "cpu": 10.0, "compress": 20.0, "engine_cpu": 28.0}}
+
+
 def test_rank_cpu_reads_each_threads_cpu_and_names_its_kind():
     """The /proc reading rank_cpu sums per thread kind: a busy main thread's CPU time grows while an
     idle helper thread's does not, and gloo's thread names are told apart from the engine's."""
