@@ -31,14 +31,25 @@ from ssfusion_lightning.sparsifiers import MEMORIES
 LARGE = 4096
 
 
-def measure(workload: str, memories: list[str], rounds: int, slots: str = "sparse") -> list[dict[str, float | str]]:
+def build_memory(name: str, feedback: float, clip_norm: float | None):
+    """``name`` with the options a run gives it: ``feedback`` for every memory that keeps a residual,
+    ``clip_norm`` (DGC's local clipping) for those that clip."""
+    options = {} if name == "none" else {"feedback": feedback}
+    if clip_norm and name in ("adam", "dgc"):
+        options["clip_norm"] = clip_norm
+    return MEMORIES.build(name, **options)
+
+
+def measure(
+    workload: str, memories: list[str], rounds: int, slots: str = "sparse", feedback: float = 1.0, clip_norm: float | None = None
+) -> list[dict[str, float | str]]:
     torch.manual_seed(0)
     _, model, _, _ = build_workload(workload, False, 0)
     params = [(name, p) for name, p in model.named_parameters() if (p.numel() >= LARGE) == (slots == "sparse")]
     keys = [name for name, _ in params]
     grads = [torch.randn_like(p) for _, p in params]
     sent = [torch.randperm(g.numel())[: max(1, g.numel() // 100)] for g in grads]
-    built = {name: MEMORIES.build(name) for name in memories}
+    built = {name: build_memory(name, feedback, clip_norm) for name in memories}
     for memory in built.values():  # every state exists from here on, as after a plan's first round
         memory.update_many(keys, grads, sent, verified=True)
     samples: dict[str, dict[str, list[float]]] = {name: {"compensate": [], "commit": [], "faults": []} for name in built}
@@ -84,13 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--slots", default="sparse", choices=["sparse", "dense"],
                         help="sparse: the large tensors' sparse round; dense: the small tensors' dense round")
+    parser.add_argument("--feedback", type=float, default=1.0, help="the memories' feedback (memory='auto' gives 0.9)")
+    parser.add_argument("--clip-norm", type=float, default=None,
+                        help="adam's and dgc's local clipping (the LM workloads' recipe clips at 1.0)")
     parser.add_argument("--name", default="feedback_round")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    lines = table(measure(args.workload, args.memories, args.rounds, args.slots))
+    lines = table(measure(args.workload, args.memories, args.rounds, args.slots, args.feedback, args.clip_norm))
+    options = (f" --feedback {args.feedback}" if args.feedback != 1.0 else "") + (f" --clip-norm {args.clip_norm}" if args.clip_norm else "")
     command = (f"`python -m experiments.bench_feedback_round --workload {args.workload} --memories {' '.join(args.memories)} "
-               f"--rounds {args.rounds} --slots {args.slots}` (one thread; medians over the rounds, memories interleaved)")
+               f"--rounds {args.rounds} --slots {args.slots}{options}` (one thread; medians over the rounds, memories interleaved)")
     publish_md("\n".join([command, "", *lines]), args.name, args.out)
     return 0
 

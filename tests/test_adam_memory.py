@@ -304,6 +304,36 @@ def test_feedback_keeps_that_fraction_of_the_unsent_update(feedback, density, st
     assert torch.allclose(sent_total + memory.residual("w").reshape(-1) + dropped, expected, rtol=1e-12, atol=1e-12)
 
 
+@settings(max_examples=20, deadline=None)
+@given(steps=st.integers(2, 6), dropped=st.integers(0, 5), seed=st.integers(0, 10_000))
+def test_the_feedback_a_commit_defers_gives_the_bits_of_keeping_it_at_once(steps, dropped, seed):
+    """The commit leaves the 90% kept to the next compensate's copy; a memory whose residuals are read
+    after every commit (which applies it there and then) computes the same bits, a dropped round
+    (compensated, never committed) and a dense window set aside in between included."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = ["a", "b"]
+    deferred, read = build_memory("adam", feedback=0.9), build_memory("adam", feedback=0.9)
+    for step in range(steps):
+        grads = [torch.randn(4, 6, generator=generator), torch.randn(30, generator=generator)]
+        sent = [torch.randperm(24, generator=generator)[:3], torch.randperm(30, generator=generator)[:4]]
+        outs = [memory.compensate_many(keys, grads) for memory in (deferred, read)]
+        for one, other in zip(*outs):
+            assert torch.equal(one, other)
+        if step == dropped:
+            continue  # the vote dropped the round: nothing commits
+        for memory in (deferred, read):
+            memory.update_many(keys, grads, sent, verified=True)
+        if step == 1:
+            put_back(deferred, set_aside(deferred))
+        for key, flat_sent in zip(keys, sent):
+            residual = read.residual(key).reshape(-1)
+            assert torch.all(residual[flat_sent] == 0)
+        assert read.state_dict()["residuals"].keys() == set(keys)
+    for key in keys:
+        assert torch.equal(deferred.residual(key), read.residual(key))
+    assert all(torch.equal(a, b) for a, b in zip(deferred.state_dict()["residuals"].values(), read.state_dict()["residuals"].values()))
+
+
 def test_feedback_bounds_an_entrys_backlog():
     """An entry never selected, with the same update every round, owes at most feedback / (1 - feedback)
     rounds of it (error feedback: one more round each step)."""

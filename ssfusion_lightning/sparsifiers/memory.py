@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence
@@ -253,6 +254,34 @@ class LocallyClipped:
         limit = local if loss_scale is None else local * float(loss_scale)
         return limit / norm if norm > limit else None
 
+    def _clipped_contiguous(self, keys: Sequence[str], grads: Sequence[Tensor]) -> list[Tensor]:
+        """``compensate``'s clipped gradient of each key (no loss scale), contiguous. On the host the
+        scaled ones are written into one per-thread buffer reused across rounds: fresh tensors the size
+        of the weights are page-faulted in on every round (gpt2_10m clipped at 1.0: 6,329 faults and
+        18 ms of a 45 ms compensation). So each result is valid until this thread's next call."""
+        factors = []
+        for key, grad in zip(keys, grads):
+            self._clip_factors.pop(key, None)
+            factor = self._clip_factor(grad, None)
+            if factor is not None:
+                self._clip_factors[key] = factor
+            factors.append(factor)
+        scaled = [i for i, (grad, factor) in enumerate(zip(grads, factors)) if factor is not None and grad.device.type == "cpu"]
+        into: dict[int, Tensor] = {}
+        if scaled and len({grads[i].dtype for i in scaled}) == 1:
+            buffer = _host_buffer("clipped", grads[scaled[0]].dtype, sum(grads[i].numel() for i in scaled))
+            start = 0
+            for i in scaled:
+                into[i] = buffer[start : start + grads[i].numel()].view(grads[i].shape)
+                start += grads[i].numel()
+        out = []
+        for i, (grad, factor) in enumerate(zip(grads, factors)):
+            if factor is None:
+                out.append(grad.contiguous())
+            else:
+                out.append(torch.mul(grad, factor, out=into[i]) if i in into else (grad * factor).contiguous())
+        return out
+
     def _clipped(self, key: str, grad: Tensor, loss_scale: Tensor | None, commit: bool) -> Tensor:
         """The round's clipped gradient; the factor ``compensate`` found is the one its commit uses."""
         if commit and key in self._clip_factors:
@@ -262,6 +291,20 @@ class LocallyClipped:
             if not commit and factor is not None:
                 self._clip_factors[key] = factor
         return grad if factor is None else grad * factor
+
+
+_HOST_BUFFERS = threading.local()
+
+
+def _host_buffer(kind: str, dtype: torch.dtype, numel: int) -> Tensor:
+    """A per-thread host tensor of at least ``numel`` elements, kept for the thread's next call."""
+    cache = getattr(_HOST_BUFFERS, "buffers", None)
+    if cache is None:
+        cache = _HOST_BUFFERS.buffers = {}
+    buffer = cache.get((kind, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = cache[(kind, dtype)] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
 
 
 def _zero_at(tensor: Tensor, sent_indices: Tensor) -> None:
