@@ -453,6 +453,38 @@ def test_sparse_slots_many_at_once_give_the_bits_of_one_at_a_time(seed, kind, dt
         assert any(tag == "sparse" for tag, _ in together._flat._groups)
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), dropped=st.integers(1, 5), feedback=st.sampled_from([1.0, 0.9]))
+def test_dgc_flat_commit_adopts_compensates_round_with_the_bits_of_computing_it_again(seed, dropped, feedback):
+    """Once the sparse slots' states are flat, the commit keeps the u' and v' compensate computed
+    (no second pass over them); a commit of gradients that are not the ones compensated computes the
+    round again in place. Both give the same bits every round, a dropped round (compensated, never
+    committed) included, and compensate leaves the stored state as it was."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(4, 3, 2), (9,), (5, 2)]
+    keys = [f"p{i}" for i in range(len(shapes))]
+    kept, again = build_memory("dgc", momentum=0.9, feedback=feedback), build_memory("dgc", momentum=0.9, feedback=feedback)
+    adopted = 0
+    for step in range(7):
+        grads = [torch.randn(shape, generator=generator) for shape in shapes]
+        before = {key: (kept.momenta[key].clone(), kept.velocities[key].clone()) for key in kept.velocities}
+        many = kept.compensate_many(keys, grads)
+        for key, (momentum, velocity) in before.items():
+            assert torch.equal(kept.momenta[key], momentum) and torch.equal(kept.velocities[key], velocity)
+        for a, b in zip(many, again.compensate_many(keys, grads)):
+            assert torch.equal(a, b)
+        if step == dropped:
+            continue
+        sent = [torch.randperm(g.numel(), generator=generator)[:3] for g in grads]
+        storage = kept.velocities[keys[0]].data_ptr() if kept.velocities else None
+        kept.update_many(keys, grads, sent, verified=True)
+        again.update_many(keys, [grad.clone() for grad in grads], sent, verified=True)  # not the gradients compensated
+        adopted += storage is not None and kept.velocities[keys[0]].data_ptr() != storage
+        for key in keys:
+            assert torch.equal(kept.momenta[key], again.momenta[key]) and torch.equal(kept.velocities[key], again.velocities[key])
+    assert adopted >= 3
+
+
 def test_sparse_slots_committed_together_unverified_still_refuse_a_non_finite_gradient_by_name():
     """Without the engine's vote the many-tensor commit checks each gradient, as one at a time does."""
     for kind in ("residual", "dgc"):

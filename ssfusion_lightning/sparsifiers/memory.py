@@ -354,6 +354,32 @@ class _FlatGroup:
     views: list[list[Tensor]]
     offsets: list[int]
     shapes: tuple[torch.Size, ...]
+    names: tuple[str, ...]
+
+
+@dataclass
+class _HeldFlatRound:
+    """A compensation's flat results for a group, with the gradients (and their versions) and the
+    results' versions at its end: the commit of the same round adopts them."""
+
+    group: _FlatGroup
+    grads: list[tuple[Tensor, int]]
+    momenta: Tensor
+    velocities: Tensor
+    momentum_views: list[Tensor]
+    velocity_views: list[Tensor]
+    versions: tuple[int, int] = (-1, -1)
+
+    def __post_init__(self) -> None:
+        self.versions = (self.momenta._version, self.velocities._version)
+
+    def matches(self, group: _FlatGroup, grads: Sequence[Tensor]) -> bool:
+        return (
+            group is self.group
+            and len(grads) == len(self.grads)
+            and all(grad is held and grad._version == version for grad, (held, version) in zip(grads, self.grads))
+            and (self.momenta._version, self.velocities._version) == self.versions
+        )
 
 
 class _FlatStates:
@@ -409,8 +435,20 @@ class _FlatStates:
         # a group that shares a key with this one no longer holds that key's state
         for other in [other for other in self._groups if not set(other[1]).isdisjoint(names)]:
             del self._groups[other]
-        group = self._groups[(tag, names)] = _FlatGroup(flats, views, offsets, shapes)
+        group = self._groups[(tag, names)] = _FlatGroup(flats, views, offsets, shapes, names)
         return group
+
+    def adopt(
+        self, group: _FlatGroup, flats: Sequence[Tensor], views: Sequence[list[Tensor]], states: Sequence[dict[str, Tensor]]
+    ) -> list[Tensor]:
+        """``flats`` (one per state kind, laid out as ``group``'s) and ``views`` of them in the keys'
+        shapes become the group's state: the keys' states are those views from here on. Returns the
+        flats they replace."""
+        replaced = group.flats
+        for state, kind in zip(states, views):
+            state.update(zip(group.names, kind))
+        group.flats, group.views = list(flats), [list(kind) for kind in views]
+        return replaced
 
     def clear(self) -> None:
         self._groups.clear()
@@ -600,7 +638,8 @@ class DGCMemory(LocallyClipped, Memory):
     optimizer must not add momentum again: the strategy moves an SGD optimizer's momentum here
     (``take_momentum_from``). ``compensate`` computes the new u and v as temporaries;
     ``update`` recomputes both in place into the state (refusing a non-finite gradient, leaving
-    the old state).
+    the old state), except that a batch of sparse slots whose states are one flat group keeps
+    the flat u and v its ``compensate_many`` computed, where the gradients are the same.
     ``residual(key)`` is v: at every step, v == feedback * (the compensated tensor - sent), so at
     feedback 1 (the default) sent + v == the compensated tensor exactly.
     ``feedback``: the fraction of the unsent velocity kept, in (0, 1]; u is only masked. Below 1 an
@@ -630,6 +669,11 @@ class DGCMemory(LocallyClipped, Memory):
         self.velocities: dict[str, Tensor] = {}
         self._clip_factors: dict[str, float] = {}  # taken by compensate, reused by the update that commits
         self._flat = _FlatStates()
+        #: the flat u' and v' the last ``compensate_many`` computed for a sparse group, which its commit
+        #: adopts where nothing changed since; and per group, the host flats the last adoption replaced,
+        #: for the next round to compute in (fresh host tensors come as fresh pages)
+        self._held: _HeldFlatRound | None = None
+        self._flat_spares: dict[tuple[str, ...], list[Tensor]] = {}
         # (optimizer, index of a parameter group) whose momentum moved here: by index, because
         # loading the optimizer's state replaces its group dicts
         self._taken: list[tuple[torch.optim.Optimizer, int]] = []
@@ -694,7 +738,7 @@ class DGCMemory(LocallyClipped, Memory):
         for key, momentum in zip(keys, momenta):
             owner[id(params[key])].state[params[key]]["momentum_buffer"] = momentum
         self.momenta.clear()
-        self._flat.clear()
+        self._clear_flat()
 
     def take_from_optimizer(self, params: Mapping[str, Tensor]) -> bool:
         """The SGD's buffers (the same on every rank: DDP's reducer averaged what they were built
@@ -718,7 +762,7 @@ class DGCMemory(LocallyClipped, Memory):
                 self.momenta[key] = buffer.detach().contiguous()
         for _, group in groups:
             group["momentum"] = 0.0
-        self._flat.clear()
+        self._clear_flat()
         return True
 
     def untaken_momentum(self, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
@@ -803,9 +847,47 @@ class DGCMemory(LocallyClipped, Memory):
     def compensate_many(self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None) -> list[Tensor]:
         if loss_scale is not None or self.clip_norm is not None or len(keys) < 2:
             return super().compensate_many(keys, grads, loss_scale)
-        # foreach calls, also where the states are one flat group: one flat result would have to be
-        # cut back into the tensors' shapes for the selection, which costs what it saves
-        return self._compensate_together(keys, grads)
+        group = self._sparse_group(keys, grads, loss_scale)
+        if group is None:
+            return self._compensate_together(keys, grads)
+        return self._compensate_flat(group, grads)
+
+    def _compensate_flat(self, group: _FlatGroup, grads: Sequence[Tensor]) -> list[Tensor]:
+        """v' = v + (momentum * u + g) over the group's flats, into flats of their own (the commit's
+        operations in its order, so its bits), kept with u' for the commit to adopt: the round's
+        state is then computed once, where recomputing it in the commit took twice the passes
+        (resnet18's 13 sparse tensors: a round of 1.8 ms)."""
+        momenta, velocities = group.flats
+        spares = [t for t in self._flat_spares.pop(group.names, []) if t.shape == momenta.shape and t.dtype == momenta.dtype]
+        if len(spares) < 2:
+            spares = [torch.empty_like(momenta), torch.empty_like(velocities)]
+        new_momenta = torch.mul(momenta, self.momentum, out=spares[0])
+        momentum_views = _split_as(new_momenta, grads)
+        torch._foreach_add_(momentum_views, list(grads))  # in the views: no flat copy of the gradients
+        new_velocities = torch.add(new_momenta, velocities, out=spares[1])
+        velocity_views = _split_as(new_velocities, grads)
+        self._held = _HeldFlatRound(
+            group, [(grad, grad._version) for grad in grads], new_momenta, new_velocities, momentum_views, velocity_views
+        )
+        return velocity_views
+
+    def _clear_flat(self) -> None:
+        self._flat.clear()
+        self._held = None
+        self._flat_spares.clear()
+
+    def _adopted(self, group: _FlatGroup, grads: Sequence[Tensor]) -> bool:
+        """The commit of ``grads`` takes ``_compensate_flat``'s flats as the group's state, where they
+        were computed for this very group and gradients and nothing wrote into them since."""
+        held, self._held = self._held, None
+        if held is None or not held.matches(group, grads):
+            return False
+        replaced = self._flat.adopt(
+            group, [held.momenta, held.velocities], [held.momentum_views, held.velocity_views], [self.momenta, self.velocities]
+        )
+        if replaced[0].device.type == "cpu":
+            self._flat_spares[group.names] = replaced
+        return True
 
     def update_many(
         self,
@@ -819,9 +901,11 @@ class DGCMemory(LocallyClipped, Memory):
             return super().update_many(keys, grads, sent_indices, loss_scale, verified)
         group = self._sparse_group(keys, grads, loss_scale)
         if group is not None:
+            if not self._adopted(group, grads):
+                momenta, velocities = group.flats
+                momenta.mul_(self.momentum).add_(_flat_of(grads))
+                velocities.add_(momenta)
             momenta, velocities = group.flats
-            momenta.mul_(self.momentum).add_(_flat_of(grads))
-            velocities.add_(momenta)
             positions = _flat_positions(sent_indices, group.offsets, momenta.device)
             velocities.index_fill_(0, positions, 0)
             momenta.index_fill_(0, positions, 0)
@@ -945,10 +1029,10 @@ class DGCMemory(LocallyClipped, Memory):
             check_finite(key, velocities[key], "saved velocity")
         self.momenta, self.velocities = momenta, velocities
         self._clip_factors.clear()
-        self._flat.clear()
+        self._clear_flat()
 
     def reset(self) -> None:
         self.momenta.clear()
         self.velocities.clear()
         self._clip_factors.clear()
-        self._flat.clear()
+        self._clear_flat()
