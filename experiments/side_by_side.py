@@ -62,6 +62,8 @@ from ssfusion_lightning.data.sequences import IGNORE_INDEX
 REPO = Path(__file__).resolve().parents[1]
 DDP_HOOKS = {"compute_only": "noop", "compute_sync": "lockstep", "ddp": None, "ddp_bucket_view": None, **{name: "powersgd" for name in POWERSGD_RANKS}}
 SCHEMES = (*DDP_HOOKS, *ENGINE_SCHEMES)
+#: seconds the harness waits, once a rank has failed, for the others to exit on their own before it stops them
+FAILURE_GRACE_S = 10.0
 
 
 def _loss(kind: str, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -276,6 +278,11 @@ def _loopback(world: int, options: dict[str, Any]) -> dict[int, Any]:
             # a rank that raised leaves the others blocked in a collective: stop them all, naming it
             failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
             if failed or time.monotonic() > deadline:
+                if failed:  # the others may be failing too, a moment behind: name every rank that does
+                    grace = time.monotonic() + FAILURE_GRACE_S
+                    for p in procs:
+                        p.join(timeout=max(0.0, grace - time.monotonic()))
+                    failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
                 for p in procs:
                     p.kill()
                 why = f"exit codes {failed}" if failed else f"no result within {options['timeout']} s"
