@@ -57,6 +57,7 @@ from ssfusion_lightning.sparsifiers.selection import (
     magnitude_dtype,
     on_host,
     search_threshold,
+    thread_buffer,
     topk_positions,
     weyl_positions,
 )
@@ -124,18 +125,12 @@ _SCRATCH = threading.local()
 
 
 def _scratch(kind: str, dtype: torch.dtype, device: torch.device, numel: int) -> Tensor:
-    """A per-thread flat buffer reused across calls: a fresh multi-MiB buffer would be
-    page-faulted in on every call, which costs as much as the pass that fills it."""
-    cache = getattr(_SCRATCH, "buffers", None)
-    if cache is None:
-        cache = _SCRATCH.buffers = {}
-    key = (kind, dtype, device)
-    buffer = cache.get(key)
-    if buffer is None or buffer.numel() < numel:
-        buffer = torch.empty(numel + numel // 4, dtype=dtype, device=device)
-        cache[key] = buffer
-        getattr(_SCRATCH, "views", {}).clear()  # views of the old buffer would keep it alive
-    return buffer
+    """The batch's per-thread flat buffer of ``kind`` (``selection.thread_buffer``)."""
+    return thread_buffer(kind, dtype, device, numel, on_grow=_forget_views)
+
+
+def _forget_views() -> None:
+    getattr(_SCRATCH, "views", {}).clear()  # views of the old buffer would keep it alive
 
 
 def _views_of(flat: Tensor, shapes: tuple[torch.Size, ...], lay: Layout) -> list[Tensor]:

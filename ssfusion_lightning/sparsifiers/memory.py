@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from ssfusion_lightning.registry import Registry
-from ssfusion_lightning.sparsifiers.selection import all_finite, is_all_finite, statistics_dtype
+from ssfusion_lightning.sparsifiers.selection import all_finite, is_all_finite, statistics_dtype, thread_buffer
 
 
 class Memory(ABC):
@@ -269,7 +268,7 @@ class LocallyClipped:
         scaled = [i for i, (grad, factor) in enumerate(zip(grads, factors)) if factor is not None and grad.device.type == "cpu"]
         into: dict[int, Tensor] = {}
         if scaled and len({grads[i].dtype for i in scaled}) == 1:
-            buffer = _host_buffer("clipped", grads[scaled[0]].dtype, sum(grads[i].numel() for i in scaled))
+            buffer = thread_buffer("clipped", grads[scaled[0]].dtype, grads[scaled[0]].device, sum(grads[i].numel() for i in scaled))
             start = 0
             for i in scaled:
                 into[i] = buffer[start : start + grads[i].numel()].view(grads[i].shape)
@@ -291,20 +290,6 @@ class LocallyClipped:
             if not commit and factor is not None:
                 self._clip_factors[key] = factor
         return grad if factor is None else grad * factor
-
-
-_HOST_BUFFERS = threading.local()
-
-
-def _host_buffer(kind: str, dtype: torch.dtype, numel: int) -> Tensor:
-    """A per-thread host tensor of at least ``numel`` elements, kept for the thread's next call."""
-    cache = getattr(_HOST_BUFFERS, "buffers", None)
-    if cache is None:
-        cache = _HOST_BUFFERS.buffers = {}
-    buffer = cache.get((kind, dtype))
-    if buffer is None or buffer.numel() < numel:
-        buffer = cache[(kind, dtype)] = torch.empty(numel, dtype=dtype)
-    return buffer[:numel]
 
 
 def _zero_at(tensor: Tensor, sent_indices: Tensor) -> None:
@@ -368,7 +353,7 @@ class _HeldFlatRound:
     velocities: Tensor
     momentum_views: list[Tensor]
     velocity_views: list[Tensor]
-    versions: tuple[int, int] = (-1, -1)
+    versions: tuple[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.versions = (self.momenta._version, self.velocities._version)
@@ -901,11 +886,11 @@ class DGCMemory(LocallyClipped, Memory):
             return super().update_many(keys, grads, sent_indices, loss_scale, verified)
         group = self._sparse_group(keys, grads, loss_scale)
         if group is not None:
-            if not self._adopted(group, grads):
-                momenta, velocities = group.flats
+            adopted = self._adopted(group, grads)
+            momenta, velocities = group.flats
+            if not adopted:
                 momenta.mul_(self.momentum).add_(_flat_of(grads))
                 velocities.add_(momenta)
-            momenta, velocities = group.flats
             positions = _flat_positions(sent_indices, group.offsets, momenta.device)
             velocities.index_fill_(0, positions, 0)
             momenta.index_fill_(0, positions, 0)

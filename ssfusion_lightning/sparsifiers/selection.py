@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -78,6 +78,27 @@ def scratch(dtype: torch.dtype, numel: int) -> tuple[Tensor, Tensor]:
         buffers = (torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=torch.bool))
         cache[dtype] = buffers
     return buffers
+
+
+_THREAD_BUFFERS = threading.local()
+
+
+def thread_buffer(
+    kind: str, dtype: torch.dtype, device: torch.device, numel: int, on_grow: Callable[[], None] | None = None
+) -> Tensor:
+    """A per-thread flat buffer of at least ``numel`` elements, one per ``kind``, reused across calls:
+    a fresh multi-MiB buffer would be page-faulted in on every call, which costs as much as the pass
+    that fills it. ``on_grow`` runs when a larger buffer replaces the kind's old one."""
+    cache = getattr(_THREAD_BUFFERS, "buffers", None)
+    if cache is None:
+        cache = _THREAD_BUFFERS.buffers = {}
+    key = (kind, dtype, device)
+    buffer = cache.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = cache[key] = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+        if on_grow is not None:
+            on_grow()
+    return buffer
 
 
 def magnitude_dtype(dtype: torch.dtype) -> torch.dtype:
