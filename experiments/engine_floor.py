@@ -121,13 +121,12 @@ class FlatRound:
         self.sent = (positions, values)
 
         started = time.perf_counter()
-        kept = compensated.index_fill_(0, positions, 0.0).mul_(FEEDBACK)
+        compensated.index_fill_(0, positions, 0.0).mul_(FEEDBACK)
         if self.memory == "dgc":
             self.spare[0].index_fill_(0, positions, 0.0)
             self.state[:2], self.spare[:2] = self.spare[:2], self.state[:2]
         elif self.memory == "residual" or self.contract:
             self.state, self.spare = self.spare, self.state
-        del kept
         times["commit"] = time.perf_counter() - started
 
         started = time.perf_counter()
