@@ -104,8 +104,14 @@ def formula_bytes(engine) -> dict[str, int]:
     plan, element = engine.plan, 4
     copies = 2 if isinstance(engine.memory, DGCMemory) else 1
     vote = engine.world_size if engine._round.vote.route == IN_DENSE else 0  # uint8 votes ride in fp32 entries
+    # momentum correction computes a flat group's round into two flats of its own, and keeps the
+    # two its commit replaced for the next round (fresh host tensors come as fresh pages)
+    grouped = 0
+    if isinstance(engine.memory, DGCMemory):
+        grouped = sum(group.flats[0].numel() for (tag, _), group in engine.memory._flat._groups.items() if tag == "sparse")
     return {
         "error feedback": copies * plan.sparse_numel * element,
+        "round scratch": 2 * grouped * element,
         "dense send buffers": (sum(b.dense_numel for b in plan.buffers) + vote) * element,
     }
 

@@ -485,6 +485,48 @@ def test_dgc_flat_commit_adopts_compensates_round_with_the_bits_of_computing_it_
     assert adopted >= 3
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), dropped=st.integers(1, 5), feedback=st.sampled_from([1.0, 0.9]))
+def test_dgc_commit_of_a_whole_buffer_keeps_each_compensated_batchs_group_and_round(seed, dropped, feedback):
+    """The engine compensates a buffer's slots in batches (the small tensors, the larger ones, one
+    in its hook) and commits the buffer at once. The commit keeps each batch's flat group and adopts
+    its round, where a group of the whole buffer used to replace the batches' groups, and be
+    replaced by them, every round. The bits are those of one key at a time, a dropped round included."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(4, 3, 2), (9,), (5, 2), (7,), (3, 3), (6,)]
+    keys = [f"p{i}" for i in range(len(shapes))]
+    batches, single = [[0, 1, 2], [3, 4]], 5
+    batched, alone = build_memory("dgc", momentum=0.9, feedback=feedback), build_memory("dgc", momentum=0.9, feedback=feedback)
+    groups, adopted = None, 0
+    for step in range(7):
+        grads = [torch.randn(shape, generator=generator) for shape in shapes]
+        for batch in batches:
+            batched.compensate_many([keys[i] for i in batch], [grads[i] for i in batch])
+        batched.compensate(keys[single], grads[single])
+        for key, grad in zip(keys, grads):
+            alone.compensate(key, grad)
+        if step == dropped:
+            continue
+        sent = [torch.randperm(g.numel(), generator=generator)[:3] for g in grads]
+        order = torch.randperm(len(keys), generator=generator).tolist()  # the buffer's slot order, not the batches'
+        storages = [batched.velocities[keys[batch[0]]].data_ptr() for batch in batches] if batched.velocities else None
+        batched.update_many([keys[i] for i in order], [grads[i] for i in order], [sent[i] for i in order], verified=True)
+        for key, grad, positions in zip(keys, grads, sent):
+            alone.update(key, grad, positions, verified=True)
+        for key in keys:
+            assert torch.equal(batched.momenta[key], alone.momenta[key]) and torch.equal(batched.velocities[key], alone.velocities[key])
+        if step == 0:  # the first round makes the states; the next compensations group them
+            continue
+        now = {names: group for (tag, names), group in batched._flat._groups.items() if tag == "sparse"}
+        assert set(now) == {tuple(keys[i] for i in batch) for batch in batches}
+        if groups is not None:
+            assert all(now[names] is groups[names] for names in now)  # kept, not rebuilt
+        groups = now
+        if storages is not None:
+            adopted += sum(batched.velocities[keys[batch[0]]].data_ptr() != ptr for batch, ptr in zip(batches, storages))
+    assert adopted >= 2 * 3
+
+
 def test_sparse_slots_committed_together_unverified_still_refuse_a_non_finite_gradient_by_name():
     """Without the engine's vote the many-tensor commit checks each gradient, as one at a time does."""
     for kind in ("residual", "dgc"):

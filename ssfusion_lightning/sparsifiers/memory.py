@@ -435,6 +435,12 @@ class _FlatStates:
         group.flats, group.views = list(flats), [list(kind) for kind in views]
         return replaced
 
+    def within(self, tag: str, keys: Sequence[str]) -> list[tuple[str, ...]]:
+        """The keys of every group of ``tag`` that lies wholly among ``keys``, the keys' own group
+        excepted."""
+        wanted = set(keys)
+        return [names for group_tag, names in self._groups if group_tag == tag and names != tuple(keys) and wanted.issuperset(names)]
+
     def clear(self) -> None:
         self._groups.clear()
 
@@ -654,10 +660,10 @@ class DGCMemory(LocallyClipped, Memory):
         self.velocities: dict[str, Tensor] = {}
         self._clip_factors: dict[str, float] = {}  # taken by compensate, reused by the update that commits
         self._flat = _FlatStates()
-        #: the flat u' and v' the last ``compensate_many`` computed for a sparse group, which its commit
-        #: adopts where nothing changed since; and per group, the host flats the last adoption replaced,
-        #: for the next round to compute in (fresh host tensors come as fresh pages)
-        self._held: _HeldFlatRound | None = None
+        #: per sparse group, the flat u' and v' its last ``compensate_many`` computed, which its commit
+        #: adopts where nothing changed since; and the host flats the last adoption replaced, for the
+        #: next round to compute in (fresh host tensors come as fresh pages)
+        self._held: dict[tuple[str, ...], _HeldFlatRound] = {}
         self._flat_spares: dict[tuple[str, ...], list[Tensor]] = {}
         # (optimizer, index of a parameter group) whose momentum moved here: by index, because
         # loading the optimizer's state replaces its group dicts
@@ -851,20 +857,20 @@ class DGCMemory(LocallyClipped, Memory):
         torch._foreach_add_(momentum_views, list(grads))  # in the views: no flat copy of the gradients
         new_velocities = torch.add(new_momenta, velocities, out=spares[1])
         velocity_views = _split_as(new_velocities, grads)
-        self._held = _HeldFlatRound(
+        self._held[group.names] = _HeldFlatRound(
             group, [(grad, grad._version) for grad in grads], new_momenta, new_velocities, momentum_views, velocity_views
         )
         return velocity_views
 
     def _clear_flat(self) -> None:
         self._flat.clear()
-        self._held = None
+        self._held.clear()
         self._flat_spares.clear()
 
     def _adopted(self, group: _FlatGroup, grads: Sequence[Tensor]) -> bool:
         """The commit of ``grads`` takes ``_compensate_flat``'s flats as the group's state, where they
         were computed for this very group and gradients and nothing wrote into them since."""
-        held, self._held = self._held, None
+        held = self._held.pop(group.names, None)
         if held is None or not held.matches(group, grads):
             return False
         replaced = self._flat.adopt(
@@ -884,17 +890,24 @@ class DGCMemory(LocallyClipped, Memory):
     ) -> None:
         if loss_scale is not None or self.clip_norm is not None or not verified or len(keys) < 2:
             return super().update_many(keys, grads, sent_indices, loss_scale, verified)
-        group = self._sparse_group(keys, grads, loss_scale)
-        if group is not None:
-            adopted = self._adopted(group, grads)
-            momenta, velocities = group.flats
-            if not adopted:
-                momenta.mul_(self.momentum).add_(_flat_of(grads))
-                velocities.add_(momenta)
-            positions = _flat_positions(sent_indices, group.offsets, momenta.device)
-            velocities.index_fill_(0, positions, 0)
-            momenta.index_fill_(0, positions, 0)
-            _keep_(velocities, self.feedback)
+        # A buffer's slots are compensated in a few batches (the small tensors, the larger ones) and
+        # committed at once: each batch's group commits on its own, as a group of the whole buffer
+        # would replace them, and be replaced by them, every round (three concatenations of every
+        # state a step on resnet18, and no round adopted).
+        position = {key: i for i, key in enumerate(keys)}
+        rest = set(position)
+        for names in self._flat.within("sparse", keys):
+            members = [position[key] for key in names]
+            if self._commit_group(names, [grads[i] for i in members], [sent_indices[i] for i in members]):
+                rest.difference_update(names)
+        if not rest:
+            return None
+        if len(rest) < len(keys):
+            members = sorted(position[key] for key in rest)
+            keys, grads, sent_indices = [keys[i] for i in members], [grads[i] for i in members], [sent_indices[i] for i in members]
+            if len(keys) < 2:
+                return super().update_many(keys, grads, sent_indices, loss_scale, verified)
+        if self._commit_group(tuple(keys), grads, sent_indices):
             return None
         for key, grad in zip(keys, grads):
             if self._fresh(key, grad):
@@ -911,6 +924,23 @@ class DGCMemory(LocallyClipped, Memory):
             _zero_at(velocity, sent)
             _zero_at(momentum, sent)
             _keep_(velocity, self.feedback)
+
+    def _commit_group(self, keys: tuple[str, ...], grads: Sequence[Tensor], sent_indices: Sequence[Tensor]) -> bool:
+        """The commit of ``keys`` as one flat group, adopting the round its compensation computed
+        where it can; False where they form no group."""
+        group = self._sparse_group(keys, grads, None)
+        if group is None:
+            return False
+        adopted = self._adopted(group, grads)
+        momenta, velocities = group.flats
+        if not adopted:
+            momenta.mul_(self.momentum).add_(_flat_of(grads))
+            velocities.add_(momenta)
+        positions = _flat_positions(sent_indices, group.offsets, momenta.device)
+        velocities.index_fill_(0, positions, 0)
+        momenta.index_fill_(0, positions, 0)
+        _keep_(velocities, self.feedback)
+        return True
 
     def compensate_dense_many(
         self, keys: Sequence[str], grads: Sequence[Tensor], loss_scale: Tensor | None = None
