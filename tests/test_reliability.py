@@ -254,13 +254,14 @@ def test_a_rank_that_dies_fails_the_survivor_with_the_step_named(tmp_path):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    sizes=st.lists(st.integers(0, 40), min_size=0, max_size=4),
+    sizes=st.lists(st.integers(0, 40), min_size=0, max_size=6),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
-    poison=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 39), st.sampled_from([float("nan"), float("inf"), -float("inf")])), max_size=3),
+    poison=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 39), st.sampled_from([float("nan"), float("inf"), -float("inf")])), max_size=3),
     scale=st.sampled_from([1.0, 1e30, 1e38]),  # 1e38: fp32 sums overflow on finite values
+    mixed=st.booleans(),  # every other tensor in fp64 (a buffer's states need not share a dtype)
 )
-def test_all_finite_agrees_with_isfinite(sizes, dtype, poison, scale):
-    tensors = [(torch.randn(n, dtype=torch.float64) * scale).to(dtype) for n in sizes]
+def test_all_finite_agrees_with_isfinite(sizes, dtype, poison, scale, mixed):
+    tensors = [(torch.randn(n, dtype=torch.float64) * scale).to(torch.float64 if mixed and i % 2 else dtype) for i, n in enumerate(sizes)]
     for which, position, value in poison:
         if which < len(tensors) and position < tensors[which].numel():
             tensors[which][position] = value

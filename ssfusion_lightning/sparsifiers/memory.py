@@ -254,7 +254,7 @@ class LocallyClipped:
         if self.clip_norm is None or not grads:
             return [None] * len(grads)
         norms = [torch.linalg.vector_norm(grad, dtype=statistics_dtype(grad.dtype)) for grad in grads]
-        values = [float(norms[0])] if len(norms) == 1 else torch.stack([n.to(torch.float64) for n in norms]).tolist()
+        values = [float(norms[0])] if len(norms) == 1 else torch.stack(norms).tolist()  # stack promotes exactly
         local = self.clip_norm / math.sqrt(self.world_size)
         limit = local if loss_scale is None else local * float(loss_scale)
         return [limit / norm if norm > limit else None for norm in values]

@@ -576,6 +576,11 @@ def is_all_finite(tensor: Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())  # the sum may have overflowed on finite values
 
 
+#: ``all_finite`` checks host tensors of at most this many elements in all with one concatenation
+#: and one sum: a language model's 26 norm and bias tensors cost 0.05 ms so, 0.12 as a sum each
+SMALL_CHECK = 1 << 16
+
+
 def all_finite(tensors: Sequence[Tensor]) -> Tensor:
     """A 0-d bool tensor, with no device sync: min and max propagate NaN and +-Inf, and one aminmax
     pass costs a tenth of ``isfinite(t).all()``. fp32 and fp64 on the host take a sum instead, which
@@ -587,8 +592,12 @@ def all_finite(tensors: Sequence[Tensor]) -> Tensor:
     if not present:
         return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
     if all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in present):
-        sums = [t.sum() for t in present]
-        if math.isfinite(float(sums[0] if len(sums) == 1 else torch.stack(sums).sum())):
+        if len(present) > 2 and sum(t.numel() for t in present) <= SMALL_CHECK:
+            total = torch.cat([t.reshape(-1) for t in present]).sum()
+        else:
+            sums = [t.sum() for t in present]
+            total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+        if math.isfinite(float(total)):
             return torch.ones((), dtype=torch.bool)
         return torch.tensor(all(bool(torch.isfinite(t).all()) for t in present))
     return torch.isfinite(torch.stack([bound for t in present for bound in torch.aminmax(t)])).all()
