@@ -323,8 +323,8 @@ class AdamMemory(LocallyClipped, Memory):
     def _scratch(self, key: str) -> list[Tensor]:
         """Three tensors in the layout of the key's moments: the spares its last commit left, else new."""
         like = self.first_moments[key]
-        spares = [t for t in self._spares.pop(key, []) if t.shape == like.shape and t.dtype == like.dtype and t.device == like.device]
-        return spares[:3] + [torch.empty_like(like) for _ in range(3 - len(spares[:3]))]
+        spares = [t for t in self._spares.pop(key, []) if t.shape == like.shape and t.dtype == like.dtype and t.device == like.device][:3]
+        return spares + [torch.empty_like(like) for _ in range(3 - len(spares))]
 
     def _adopt(self, key: str, held: _Compensated, residual: Tensor | None) -> None:
         """compensate's moments (and ``residual``, or none) become the key's state; the tensors they
