@@ -1008,3 +1008,15 @@ def test_feedback_round_times_each_memory_on_the_workloads_large_tensors(tmp_pat
     assert "| adam |" in (tmp_path / "round.md").read_text()
     dense = bench_feedback_round.measure("gpt2", ["adam"], rounds=2, slots="dense")
     assert dense[0]["tensors"] > 0 and dense[0]["elements"] < 4096 * dense[0]["tensors"]
+
+
+def test_op_sites_files_the_engines_ops_under_their_call_sites(tmp_path):
+    from experiments import op_sites
+
+    assert op_sites.main(["--workload", "gpt2", "--quick", "--start", "3", "--stop", "5", "--top", "500", "--out", str(tmp_path), "--name", "ops"]) == 0
+    rows = [line.split(" | ") for line in (tmp_path / "ops.md").read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
+    sites = [row[3] for row in rows]
+    assert any("engine.py" in site for site in sites), sites  # the engine's own ops, under its functions
+    assert any("memory.py" in site for site in sites), sites  # the memory's round ran on rank 1
+    assert not any("op_sites.py" in site for site in sites)  # the counter's own frames name no site
+    assert all(float(row[1]) > 0 for row in rows)
