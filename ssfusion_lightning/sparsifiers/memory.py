@@ -899,18 +899,16 @@ class DGCMemory(LocallyClipped, Memory):
         # would replace them, and be replaced by them, every round (three concatenations of every
         # state a step on resnet18, and no round adopted).
         position = {key: i for i, key in enumerate(keys)}
-        rest = set(position)
+        committed: set[str] = set()
         for names in self._flat.within("sparse", keys):
             members = [position[key] for key in names]
             if self._commit_group(names, [grads[i] for i in members], [sent_indices[i] for i in members]):
-                rest.difference_update(names)
-        if not rest:
-            return None
-        if len(rest) < len(keys):
-            members = sorted(position[key] for key in rest)
-            keys, grads, sent_indices = [keys[i] for i in members], [grads[i] for i in members], [sent_indices[i] for i in members]
+                committed.update(names)
+        if committed:
+            rest = [i for i, key in enumerate(keys) if key not in committed]
+            keys, grads, sent_indices = [keys[i] for i in rest], [grads[i] for i in rest], [sent_indices[i] for i in rest]
             if len(keys) < 2:
-                return super().update_many(keys, grads, sent_indices, loss_scale, verified)
+                return super().update_many(keys, grads, sent_indices, loss_scale, verified) if keys else None
         if self._commit_group(tuple(keys), grads, sent_indices):
             return None
         for key, grad in zip(keys, grads):
