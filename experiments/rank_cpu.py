@@ -100,14 +100,16 @@ def _counted(name: str, where: str) -> bool:
     return "torch/optim/" in where and not any(w in where for w in wrappers) and not name.endswith("step")
 
 
-def pyspy_by_function(pid: int, seconds: float, workdir: Path, rate: int = 250) -> dict[str, float] | None:
+def pyspy_by_function(pid: int, seconds: float, workdir: Path, rate: int = 250, keep: Path | None = None) -> dict[str, float] | None:
     """Share of ``pid``'s samples (every thread) inside each engine function, inclusive, from
-    ``py-spy record``; None without py-spy."""
+    ``py-spy record``; None without py-spy. ``keep``: where py-spy's raw stacks are copied (for line-level reading)."""
     if shutil.which("py-spy") is None:
         return None
     raw = workdir / "rank.pyspy"
     subprocess.run(["py-spy", "record", "-d", str(int(seconds)), "-r", str(rate), "-p", str(pid), "-f", "raw", "-o", str(raw),
                     "--nonblocking", "--full-filenames"], capture_output=True, check=False)
+    if keep is not None and raw.exists():
+        shutil.copyfile(raw, keep)
     return shares_by_function(raw.read_text()) if raw.exists() else None
 
 
@@ -130,7 +132,7 @@ def shares_by_function(raw: str) -> dict[str, float] | None:
 
 
 def sample(spec: Path, settle: float, span: float, with_perf: bool, workdir: Path, box: dict[str, Any],
-           with_pyspy: bool = False) -> None:
+           with_pyspy: bool = False, keep: Path | None = None) -> None:
     """Find the ranks of ``spec``, wait ``settle`` s, then read their threads over ``span`` s."""
     pids: list[int] = []
     deadline = time.monotonic() + 120
@@ -144,7 +146,7 @@ def sample(spec: Path, settle: float, span: float, with_perf: bool, workdir: Pat
     if with_perf and len(pids) > 1:
         perf = perf_by_library(pids[1], span, workdir)
     if with_pyspy and len(pids) > 1:
-        pyspy = pyspy_by_function(pids[1], max(1.0, span - (time.monotonic() - started)), workdir)  # after --perf's share
+        pyspy = pyspy_by_function(pids[1], max(1.0, span - (time.monotonic() - started)), workdir, keep=keep)  # after --perf's share
     time.sleep(max(0.0, span - (time.monotonic() - started)))
     after, wall = thread_cpu(pids), time.monotonic() - started
     per_kind: dict[str, float] = defaultdict(float)
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--span", type=float, default=12.0, help="seconds the threads are read over")
     parser.add_argument("--perf", action="store_true", help="also rank 1's CPU by shared library (perf record)")
     parser.add_argument("--pyspy", action="store_true", help="also rank 1's samples by engine function (py-spy record)")
+    parser.add_argument("--pyspy-raw", type=Path, default=None, help="with --pyspy: copy py-spy's raw stacks (with line numbers) here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nice", type=int, default=-5)
     parser.add_argument("--timeout", type=float, default=900)
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         box: dict[str, Any] = {"world": args.world}
         sampler = threading.Thread(target=sample, args=(workdir / f"P{args.world}" / "spec.json", args.settle, args.span,
-                                                        args.perf, workdir, box, args.pyspy), daemon=True)
+                                                        args.perf, workdir, box, args.pyspy, args.pyspy_raw), daemon=True)
         sampler.start()
         runs = run_world(args.world, [{"label": args.rate, "runs": [run]}], args, workdir)
         sampler.join(timeout=60)
