@@ -249,7 +249,9 @@ def run_rank(rank: int, options: dict[str, Any]) -> dict[str, Any]:
         for runner in runners.values():
             runner.close()
         memories = {scheme: runner.memory for scheme, runner in runners.items() if runner.memory}
-        results[name] = {"samples": samples, "equal": equal, "memories": memories}
+        # what each engine's plan trial measured, so a launch says why it kept the buffers it ran
+        trials = {scheme: runner.engine.plan_trial for scheme, runner in runners.items() if runner.engine is not None}
+        results[name] = {"samples": samples, "equal": equal, "memories": memories, "trials": trials}
     return results
 
 
@@ -355,6 +357,7 @@ def summarize(by_rank: dict[int, Any], name: str, schemes: list[str]) -> dict[st
                        sparse=median("sparse"), buffers=median("buffers"),
                        memory=next(iter(by_rank.values()))[name].get("memories", {}).get(scheme, "-"))
             row["exposed_share"] = (row["compress_ms"] + row["exposed_ms"]) / row["wall_ms"]
+            row["trial"] = by_rank[min(by_rank)][name].get("trials", {}).get(scheme)
         out[scheme] = row
     return out
 
@@ -396,6 +399,25 @@ def overlap_targets(results: dict[str, Any], scheme: str = "ssfusion") -> list[s
     return lines if len(lines) > 2 else []
 
 
+def trial_lines(results: dict[str, Any]) -> list[str]:
+    """Each engine scheme's plan trial (the medians every rank agreed on), where one ran: why a cell
+    ran the buffers it ran."""
+    from ssfusion_lightning.engine.trial import PlanTrial
+
+    lines = []
+    for (rate, name), rows in results.items():
+        for scheme, row in rows.items():
+            if row.get("trial"):
+                trial = PlanTrial(steps=0)
+                trial.load_state_dict(row["trial"])
+                lines.append(f"| {rate} | {name} | {scheme} | {trial.summary()} | {row['buffers']:.0f} |")
+    if not lines:
+        return []
+    return ["Plan trials (each window's median step, agreed over the ranks; the engine keeps the fastest plan):", "",
+            "| link | workload | scheme | measured -> kept | buffers in the timed blocks |", "|---|---|---|---|---:|",
+            *lines, ""]
+
+
 def plot(results: dict[tuple[str, str], Any], schemes: list[str], path: Path) -> Path:
     """Bars per cell: each scheme's speed (steps a second) over the first scheme's, from the paired ratios."""
     plt = pyplot()
@@ -427,7 +449,8 @@ def publish(args: argparse.Namespace, results: dict[tuple[str, str], Any], equal
     targets = ["Issue 14's overlap targets (bold: met):", "", *targets, ""] if targets else []
     folder = Path(args.out) if args.out else RESULTS
     figure = plot(results, args.schemes, folder / f"{args.name}.png")
-    lines = [header, "", f"Plot: [{figure.name}]({figure.name})", "", *table(results, args.schemes), "", *targets, *footer]
+    lines = [header, "", f"Plot: [{figure.name}]({figure.name})", "", *table(results, args.schemes), "", *targets,
+             *trial_lines(results), *footer]
     path = publish_md("\n".join(lines), args.name, args.out)
     path.with_suffix(".json").write_text(json.dumps(
         {"schemes": args.schemes, "world": args.world, "equal": equal,

@@ -33,7 +33,7 @@ def outcomes(runs: list[dict], first: int) -> list[dict]:
         kept_dense = all(metrics.get("sparse_tensors") == 0 for metrics in run["engine"][first:])
         rows.append({
             "launch": run["launch"], "label": run["label"], "seed": run["seed"],
-            **{key: trial.get(f"{key}_seconds") for key in ("sparse", "fused", "dense", "confirmed")},
+            **{key: trial.get(f"{key}_seconds") for key in ("sparse", "fused", "recut", "dense", "confirmed")},
             "discarded": trial.get("discarded"),
             "kept": "dense" if kept_dense else "sparse",
             "step": statistics.median(run["step_seconds"][first:]),
@@ -67,12 +67,13 @@ def markdown(rows: list[dict], total: dict, first: int) -> str:
         f"The plan trial per seed: the ranks' agreed medians, the plan kept, and the median step from step {first} on "
         "against DDP's in the same launch and seed (ms).",
         "",
-        "| launch | scheme | seed | sparse | one buffer | drifted: dense, sparse again | dense | sparse again | kept | step | DDP's step | step / DDP's |",
-        "|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|",
+        "| launch | scheme | seed | sparse | one buffer | sparse after one buffer | drifted: dense, sparse again | dense | sparse again "
+        "| kept | step | DDP's step | step / DDP's |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['launch']} | {r['label']} | {r['seed']} | {_ms(r['sparse'])} | {_ms(r['fused'])} | {_discarded(r['discarded'])} | "
+            f"| {r['launch']} | {r['label']} | {r['seed']} | {_ms(r['sparse'])} | {_ms(r['fused'])} | {_ms(r['recut'])} | {_discarded(r['discarded'])} | "
             f"{_ms(r['dense'])} | "
             f"{_ms(r['confirmed'])} | {r['kept']} | {_ms(r['step'])} | {_ms(r['ddp step'])} | {r['step'] / r['ddp step']:.2f} |"
         )

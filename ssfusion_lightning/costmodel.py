@@ -47,7 +47,8 @@ class CostProfile:
     #: the plan trial measured whole dense steps at most as long as sparse ones (``engine/trial.py``):
     #: comm=auto's fallback then sends every buffer dense
     dense_measured_faster: bool = False
-    #: the trial measured the cost cut's tensors in one buffer at most as slow as the cut's buffers:
+    #: the trial measured the cost cut's tensors in one buffer at most as slow as the cut's buffers
+    #: (the mean of the cut's windows before and after it):
     #: the auto cut then makes one buffer (per dtype)
     fused_measured_faster: bool = False
 

@@ -869,7 +869,7 @@ def test_trial_outcomes_names_the_kept_plan_and_compares_each_seed_with_its_own_
     assert trial_outcomes.main(["a", "--results", str(tmp_path), "--out", str(tmp_path)]) == 0
     text = (tmp_path / "trial_outcomes.md").read_text()
     assert "2 seeds: dense kept in 1, a step slower than DDP's in 1" in text
-    assert "| a | ssfusion | 1 | 80.0 | - | 60.0, 110.0 | 90.0 | 100.0 | dense |" in text  # the drifted first comparison
+    assert "| a | ssfusion | 1 | 80.0 | - | - | 60.0, 110.0 | 90.0 | 100.0 | dense |" in text  # the drifted first comparison
 
 
 # --------------------------------------------------------------------------- ef_optimizers.py
@@ -986,6 +986,24 @@ def test_side_by_side_overlap_targets_mark_what_is_met_and_skip_cells_without_th
     })
     assert rows[2:] == ["| 40mbit | gpt2 | **0.95** | 0.98 | **0.08** | 1.20 |"]
     assert overlap_targets({("40mbit", "gpt2"): {"compute_only": {}, "ssfusion": mine}}) == []
+
+
+def test_side_by_side_names_each_engines_plan_trial_and_the_plan_it_kept():
+    from experiments.side_by_side import trial_lines
+
+    kept_one = {"phase": "done", "sparse_seconds": 0.291, "fused_seconds": 0.28, "recut_seconds": 0.30,
+                "dense_seconds": None, "confirmed_seconds": None, "discarded": None}
+    kept_cut = dict(kept_one, fused_seconds=0.329, recut_seconds=None)
+    rows = trial_lines({
+        ("150mbit", "gpt2_10m"): {"compute_only": {}, "ssfusion": {"trial": kept_one, "buffers": 1.0}},
+        ("40mbit", "gpt2_10m"): {"ssfusion": {"trial": kept_cut, "buffers": 3.0}, "ddp_powersgd": {}},
+        ("40mbit", "gpt2"): {"ssfusion": {"trial": None, "buffers": 1.0}},  # no trial ran: no row
+    })
+    assert rows[4:-1] == [
+        "| 150mbit | gpt2_10m | ssfusion | sparse 291 ms, one buffer 280 ms, sparse after one buffer 300 ms a step -> one buffer | 1 |",
+        "| 40mbit | gpt2_10m | ssfusion | sparse 291 ms, one buffer 329 ms a step -> sparse | 3 |",
+    ]
+    assert trial_lines({("40mbit", "gpt2"): {"compute_only": {}}}) == []
 
 
 def test_averaged_update_times_the_replacement_beside_sgd_and_adamw(tmp_path):

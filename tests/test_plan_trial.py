@@ -19,7 +19,7 @@ from ssfusion_lightning.engine import engine as engine_module
 from ssfusion_lightning.engine import trial as trial_module
 from ssfusion_lightning.engine.agreement import mean_over_ranks
 from ssfusion_lightning.engine.engine import FusionEngine
-from ssfusion_lightning.engine.trial import CONFIRM, DENSE, DONE, DRIFT_LIMIT, FUSED, SPARSE, PlanTrial
+from ssfusion_lightning.engine.trial import CONFIRM, DENSE, DONE, DRIFT_LIMIT, FUSED, RECUT, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import cut as cut_module
 from tests.workloads import Regressor, checkpoint_and_resume, make_trainer, regression_data
 
@@ -76,27 +76,45 @@ def test_a_fusable_plan_measures_one_buffer_before_dense():
     assert trial.fused_seconds is None and trial.samples == []
 
 
-@pytest.mark.parametrize("fused_median, kept", [(0.05, True), (0.07, True), (0.09, False)])
-def test_one_buffer_is_kept_where_its_agreed_median_is_at_most_the_cuts(fused_median, kept):
+def test_one_buffer_slower_than_the_cut_ends_the_comparison_at_once():
+    trial = measured(PlanTrial(1, phase=FUSED, sparse_seconds=0.07), 1.0, 0.09)
+    assert trial.end_fused(agreed(0.0), dense_floor=1.0) == DONE
+    assert not trial.fused_kept and trial.recut_seconds is None and trial.best_sparse_seconds == pytest.approx(0.07)
+
+
+@pytest.mark.parametrize(
+    "fused_median, recut, kept",
+    # one buffer no slower than the cut's first window (0.07) measures the cut again; it stays where it is
+    # no slower than the mean of the two (a tie goes to one buffer)
+    [(0.05, 0.07, True), (0.07, 0.07, True), (0.065, 0.06, True), (0.065, 0.059, False), (0.07, 0.06, False)],
+)
+def test_one_buffer_is_kept_where_it_is_no_slower_than_the_cut_measured_around_it(fused_median, recut, kept):
     trial = measured(PlanTrial(1, phase=FUSED, sparse_seconds=0.07), 1.0, fused_median)
-    trial.end_fused(agreed(0.0), dense_floor=1.0)
-    assert trial.fused_kept == kept and trial.fused_seconds == pytest.approx(fused_median)
-    assert trial.best_sparse_seconds == pytest.approx(min(fused_median, 0.07))  # a tie goes to one buffer
+    assert trial.end_fused(agreed(0.0), dense_floor=1.0) == RECUT == trial.phase
+    assert not trial.fused_kept  # the cut's plan runs the second window
+    assert measured(trial, 1.0, recut - 0.005).end_recut(agreed(0.005), dense_floor=1.0) == DONE
+    assert trial.recut_seconds == pytest.approx(recut) and trial.cut_seconds == pytest.approx((0.07 + recut) / 2)
+    assert trial.fused_kept == kept
+    assert trial.best_sparse_seconds == pytest.approx(fused_median if kept else (0.07 + recut) / 2)
 
 
 def test_dense_competes_with_the_better_sparse_plan():
     """The floor and the dense median are held against one buffer's 0.05 s, not the cut's 0.09 s."""
     ruled_out = measured(PlanTrial(1, phase=FUSED, sparse_seconds=0.09), 1.0, 0.05)
-    assert ruled_out.end_fused(agreed(0.0), dense_floor=0.06) == DONE and not ruled_out.dense_kept
+    assert ruled_out.end_fused(agreed(0.0), dense_floor=0.06) == RECUT
+    assert measured(ruled_out, 1.0, 0.09).end_recut(agreed(0.0), dense_floor=0.06) == DONE and not ruled_out.dense_kept
     trial = measured(PlanTrial(1, phase=FUSED, sparse_seconds=0.09), 1.0, 0.05)
-    assert trial.end_fused(agreed(0.0), dense_floor=0.01) == DENSE
+    assert trial.end_fused(agreed(0.0), dense_floor=0.01) == RECUT
+    assert measured(trial, 1.0, 0.09).end_recut(agreed(0.0), dense_floor=0.01) == DENSE
     assert measured(trial, 1.0, 0.06).end_dense(agreed(0.0)) == DONE and not trial.dense_kept and trial.fused_kept
-    assert trial.summary() == "sparse 90 ms, one buffer 50 ms, dense 60 ms a step -> one buffer"
-    again = measured(PlanTrial(1, phase=DENSE, sparse_seconds=0.09, fused_seconds=0.05), 1.0, 0.045)
+    assert trial.summary() == "sparse 90 ms, one buffer 50 ms, sparse after one buffer 90 ms, dense 60 ms a step -> one buffer"
+    again = measured(PlanTrial(1, phase=DENSE, sparse_seconds=0.09, fused_seconds=0.05, recut_seconds=0.09), 1.0, 0.045)
     assert again.end_dense(agreed(0.0)) == CONFIRM
     assert measured(again, 1.0, 0.06).end_confirm(agreed(0.0)) == DONE and again.dense_kept
     assert again.sparse_estimate == pytest.approx(0.055)
-    assert again.summary() == "sparse 90 ms, one buffer 50 ms, dense 45 ms, sparse again 60 ms a step -> dense"
+    assert again.summary() == (
+        "sparse 90 ms, one buffer 50 ms, sparse after one buffer 90 ms, dense 45 ms, sparse again 60 ms a step -> dense"
+    )
 
 
 @pytest.mark.parametrize("comm, fusion", [("allgather", "ahead"), ("zen", "ahead"), ("oktopk", "behind")])
@@ -199,12 +217,15 @@ def test_windows_within_the_drift_limit_decide_at_once(again):
 
 
 def test_a_resumed_trial_measures_its_phase_again():
-    trial = PlanTrial(2, phase=CONFIRM, samples=[0.1], sparse_seconds=0.07, fused_seconds=0.06, dense_seconds=0.05)
+    trial = PlanTrial(2, phase=CONFIRM, samples=[0.1], sparse_seconds=0.07, fused_seconds=0.06, recut_seconds=0.068,
+                      dense_seconds=0.05)
     resumed = PlanTrial(2)
     resumed.load_state_dict(trial.state_dict())
-    assert (resumed.phase, resumed.sparse_seconds, resumed.fused_seconds, resumed.dense_seconds, resumed.samples) == (
-        CONFIRM, 0.07, 0.06, 0.05, [],
-    )
+    assert (resumed.phase, resumed.sparse_seconds, resumed.fused_seconds, resumed.recut_seconds, resumed.dense_seconds,
+            resumed.samples) == (CONFIRM, 0.07, 0.06, 0.068, 0.05, [])
+    # a checkpoint from before the recut phase keeps the one buffer its single window chose
+    resumed.load_state_dict({"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": 0.06, "dense_seconds": None})
+    assert resumed.recut_seconds == 0.07 and resumed.fused_kept
     # checkpoints of older versions: no one-buffer phase, then no confirm phase (dense kept on the first comparison)
     resumed.load_state_dict({"phase": SPARSE, "sparse_seconds": None, "dense_seconds": None})
     assert resumed.fused_seconds is None and resumed.confirmed_seconds is None and resumed.phase == SPARSE
@@ -353,8 +374,8 @@ def test_a_dense_phase_no_slower_is_checked_against_the_sparse_plan_measured_aga
     medians = {SPARSE: 0.07, DENSE: 0.065, CONFIRM: again}
     results = pool2.run(train_with_trial, 15, 0.0, medians)
     first = results[0]
-    expected = {"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": None, "dense_seconds": 0.065, "confirmed_seconds": again,
-                "discarded": None}
+    expected = {"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": None, "recut_seconds": None, "dense_seconds": 0.065,
+                "confirmed_seconds": again, "discarded": None}
     assert first["trial"] == expected and first["dense_measured_faster"] == kept
     assert [first["all_dense"][step] for step in range(4, 15)] == [False] * 3 + [True] * 3 + [False] * 3 + [kept] * 2
     # the dense window runs under DDP's reducer and the sparse plan on the engine again; a dense outcome
@@ -417,8 +438,8 @@ def test_sparse_windows_that_drifted_apart_repeat_the_comparison_on_every_rank_a
     medians = {SPARSE: 0.07, DENSE: [0.065, 0.09], CONFIRM: [0.095, 0.088]}
     results = pool2.run(train_with_trial, 22, 0.0, medians)
     first = results[0]
-    expected = {"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": None, "dense_seconds": 0.09, "confirmed_seconds": 0.088,
-                "discarded": [0.065, 0.095]}
+    expected = {"phase": DONE, "sparse_seconds": 0.07, "fused_seconds": None, "recut_seconds": None, "dense_seconds": 0.09,
+                "confirmed_seconds": 0.088, "discarded": [0.065, 0.095]}
     assert first["trial"] == expected and first["dense_measured_faster"]
     assert [first["all_dense"][step] for step in range(4, 22)] == ([False] * 3 + [True] * 3) * 3
     for result in results:
@@ -485,9 +506,10 @@ def one_buffer_a_tensor_and_scripted_medians(medians: dict[str, float]):
         cut_module.cut_by_cost = original
 
 
-def train_with_fused_phase(steps: int, fused_median: float) -> dict:
+def train_with_fused_phase(steps: int, fused_median: float, recut: float | None) -> dict:
     """As ``train_with_trial`` with no dense phase (the floor rules it out): the sparse phase times
-    steps 4 to 6, the one-buffer phase 7 to 9."""
+    steps 4 to 6, the one-buffer phase 7 to 9, the cut's plan again (where one buffer measured no
+    slower) 10 to 12."""
     L.seed_everything(0, verbose=False)
     model = Regressor(width=256)
     strategy = ssf.SSFusionStrategy(
@@ -500,7 +522,8 @@ def train_with_fused_phase(steps: int, fused_median: float) -> dict:
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             buffers[strategy.engine.step] = len(strategy.engine.plan.buffers)
 
-    with slow_allreduce_and_floor(1e9), one_buffer_a_tensor_and_scripted_medians({SPARSE: 0.07, FUSED: fused_median}):
+    medians = {SPARSE: 0.07, FUSED: fused_median, RECUT: recut}
+    with slow_allreduce_and_floor(1e9), one_buffer_a_tensor_and_scripted_medians(medians):
         make_trainer(strategy, steps, callbacks=[BuffersPerStep()]).fit(model, DataLoader(regression_data(), batch_size=16))
     state = strategy._final_engine_state
     return {
@@ -511,19 +534,25 @@ def train_with_fused_phase(steps: int, fused_median: float) -> dict:
     }
 
 
-@pytest.mark.parametrize("fused_median, kept", [(0.05, True), (0.09, False)])
-def test_every_rank_measures_one_buffer_and_keeps_the_faster_plan(pool2, fused_median, kept):
-    results = pool2.run(train_with_fused_phase, 12, fused_median)
+@pytest.mark.parametrize("fused_median, recut, kept", [(0.05, 0.07, True), (0.065, 0.058, False), (0.09, None, False)])
+def test_every_rank_measures_one_buffer_and_keeps_the_faster_plan(pool2, fused_median, recut, kept):
+    """One buffer no slower than the cut's first window (0.07 s) runs against the cut's plan measured
+    again: kept at 0.05 s against the cut's 0.07 s, not at 0.065 s against 0.064 s, on every rank."""
+    results = pool2.run(train_with_fused_phase, 15, fused_median, recut)
     first = results[0]
     assert first["trial"] == {
-        "phase": DONE, "sparse_seconds": 0.07, "fused_seconds": fused_median, "dense_seconds": None, "confirmed_seconds": None, "discarded": None,
+        "phase": DONE, "sparse_seconds": 0.07, "fused_seconds": fused_median, "recut_seconds": recut, "dense_seconds": None,
+        "confirmed_seconds": None, "discarded": None,
     }
     assert first["fused_measured_faster"] == kept
     buffers = first["buffers"]
     cut = buffers[4]
     assert cut > 1
-    # the cut's plan through the sparse phase, one buffer in the fused phase, then the faster one
-    assert [buffers[step] for step in range(4, 12)] == [cut] * 3 + [1] * 3 + [1 if kept else cut] * 2
+    # the cut's plan through the sparse phase, one buffer in the fused phase, the cut's plan again
+    # where one buffer measured no slower, then the faster one
+    decided = [cut] * 3 if recut is not None else []
+    expected = [cut] * 3 + [1] * 3 + decided + [1 if kept else cut] * (5 - len(decided))
+    assert [buffers[step] for step in range(4, 15)] == expected
     for rank, result in enumerate(results):
         assert result["buffers"] == buffers and result["trial"] == first["trial"]
         for name, value in result["params"].items():

@@ -56,7 +56,7 @@ from ssfusion_lightning.engine.metrics import StepMetrics
 from ssfusion_lightning.engine.offload import Offloader, to_device
 from ssfusion_lightning.engine.round import Round
 from ssfusion_lightning.engine.trial import DENSE as DENSE_PHASE
-from ssfusion_lightning.engine.trial import FUSED, SPARSE, PlanTrial
+from ssfusion_lightning.engine.trial import FUSED, RECUT, SPARSE, PlanTrial
 from ssfusion_lightning.fusion import CompressContext, ErrorFeedback, FusionPolicy, PlanContext
 from ssfusion_lightning.fusion.base import Piece
 from ssfusion_lightning.fusion.budget import within_budget
@@ -877,6 +877,8 @@ class FusionEngine:
             entered = trial.end_sparse(self._agreed_mean, self._fusable(), self._dense_floor())
         elif trial.phase == FUSED:
             entered = trial.end_fused(self._agreed_mean, self._dense_floor())
+        elif trial.phase == RECUT:
+            entered = trial.end_recut(self._agreed_mean, self._dense_floor())
         elif trial.phase == DENSE_PHASE:
             entered = trial.end_dense(self._agreed_mean)
         else:

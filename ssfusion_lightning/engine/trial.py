@@ -22,7 +22,13 @@ user pays, the step:
    time, and one window's medians on 4 ranks sharing 2 cores still differed by up to 16 ms, so a
    max over ranks took the noisiest;
 2. ``fused``: where the auto cut made several buffers, as many step times with the cut's tensors
-   in one buffer, agreed likewise; one buffer stays where its median is at most the cut's;
+   in one buffer, agreed likewise. Where one buffer measured no slower, ``recut``: the cut's plan
+   again, as many steps, and one buffer stays where its median is at most the mean of the cut's two
+   windows, which bracket its own. One window each did not tell them apart: gpt2_10m at P = 2,
+   150 Mbit/s kept one buffer in one launch of eleven, whose timed blocks then exposed 42-60 ms of
+   communication a step against 4.6-6.2 with the cut's 3 buffers, and its cut measured 289-291 ms
+   a step against one buffer's 329-331 in the probes after (experiments/REPORT.md, "The one-buffer
+   window measured twice");
 3. if the modelled dense all-reduce of the whole model already takes as long as the better sparse
    plan's step, dense cannot be faster: the trial ends there, with no dense step taken (slow
    links: no cost). Else ``dense``: as many step times with every buffer sent dense (DDP's
@@ -63,7 +69,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-SPARSE, FUSED, DENSE, CONFIRM, DONE = "sparse", "fused", "dense", "confirm", "done"
+SPARSE, FUSED, RECUT, DENSE, CONFIRM, DONE = "sparse", "fused", "recut", "dense", "confirm", "done"
 #: the ratio of two agreed sparse windows beyond which they were measured in different conditions:
 #: above the 95th percentile (1.29) of the ratios of 16-step window pairs on the same plan, every
 #: rank's steps of the digits cell at P = 4 on 2 cores (experiments/trial_replay.py's runs)
@@ -83,6 +89,8 @@ class PlanTrial:
     sparse_seconds: float | None = None
     #: the agreed median step of the same sparse plan in one buffer (None: not measured)
     fused_seconds: float | None = None
+    #: the agreed median step of the cut's plan measured again after one buffer measured no slower
+    recut_seconds: float | None = None
     dense_seconds: float | None = None
     #: the agreed median step of the better sparse plan measured again after dense (None: not measured)
     confirmed_seconds: float | None = None
@@ -97,13 +105,21 @@ class PlanTrial:
         return self.phase != DONE
 
     @property
+    def cut_seconds(self) -> float | None:
+        """The cut's plan's step: the mean of its windows around one buffer's where both ran."""
+        if self.recut_seconds is None:
+            return self.sparse_seconds
+        return (self.sparse_seconds + self.recut_seconds) / 2
+
+    @property
     def fused_kept(self) -> bool:
-        """One buffer measured no slower than the cut (a tie goes to fewer buffers, as in the cut)."""
-        return self.fused_seconds is not None and self.fused_seconds <= self.sparse_seconds
+        """One buffer measured no slower than the cut's plan on both sides of its window (a tie goes
+        to fewer buffers, as in the cut)."""
+        return self.recut_seconds is not None and self.fused_seconds <= self.cut_seconds
 
     @property
     def best_sparse_seconds(self) -> float | None:
-        return self.fused_seconds if self.fused_kept else self.sparse_seconds
+        return self.fused_seconds if self.fused_kept else self.cut_seconds
 
     @property
     def before_dense_seconds(self) -> float | None:
@@ -147,8 +163,16 @@ class PlanTrial:
         return self.phase
 
     def end_fused(self, agree: Callable[[float], float], dense_floor: float) -> str:
-        """Close the one-buffer phase on the agreed median; returns the phase entered (``dense`` or ``done``)."""
+        """Close the one-buffer phase on the agreed median; returns the phase entered: ``recut``
+        where one buffer measured no slower than the cut's plan, else as ``end_recut``."""
         self.fused_seconds = self._agreed_median(agree)
+        self.phase = RECUT if self.fused_seconds <= self.sparse_seconds else self._after_sparse(dense_floor)
+        return self.phase
+
+    def end_recut(self, agree: Callable[[float], float], dense_floor: float) -> str:
+        """Close the cut's second window on the agreed median; returns the phase entered (``dense``
+        or ``done``; ``fused_kept`` says which sparse plan stays)."""
+        self.recut_seconds = self._agreed_median(agree)
         self.phase = self._after_sparse(dense_floor)
         return self.phase
 
@@ -178,11 +202,11 @@ class PlanTrial:
     def summary(self) -> str:
         """The measured medians and the kept plan, for the log."""
         measured = [
-            ("sparse", self.sparse_seconds), ("one buffer", self.fused_seconds), ("dense", self.dense_seconds),
-            ("sparse again", self.confirmed_seconds),
+            ("sparse", self.sparse_seconds), ("one buffer", self.fused_seconds), ("sparse after one buffer", self.recut_seconds),
+            ("dense", self.dense_seconds), ("sparse again", self.confirmed_seconds),
         ]
         if self.discarded is not None:
-            measured[2:2] = [("dense", self.discarded[0]), ("sparse again", self.discarded[1])]
+            measured[3:3] = [("dense", self.discarded[0]), ("sparse again", self.discarded[1])]
         medians = ", ".join(f"{name} {1e3 * seconds:.3g} ms" for name, seconds in measured if seconds is not None)
         kept = "dense" if self.dense_kept else "one buffer" if self.fused_kept else "sparse"
         return f"{medians} a step -> {kept}"
@@ -190,6 +214,7 @@ class PlanTrial:
     def state_dict(self) -> dict[str, Any]:
         return {
             "phase": self.phase, "sparse_seconds": self.sparse_seconds, "fused_seconds": self.fused_seconds,
+            "recut_seconds": self.recut_seconds,
             "dense_seconds": self.dense_seconds, "confirmed_seconds": self.confirmed_seconds,
             "discarded": None if self.discarded is None else list(self.discarded),
         }
@@ -198,6 +223,10 @@ class PlanTrial:
         self.phase = state["phase"]
         self.sparse_seconds = state["sparse_seconds"]
         self.fused_seconds = state.get("fused_seconds")  # absent in checkpoints written before the fused phase
+        self.recut_seconds = state.get("recut_seconds")
+        if "recut_seconds" not in state and self.fused_seconds is not None and self.fused_seconds <= self.sparse_seconds:
+            # a checkpoint from before the recut phase kept one buffer on one window of the cut: as if measured twice alike
+            self.recut_seconds = self.sparse_seconds
         self.dense_seconds = state["dense_seconds"]
         self.confirmed_seconds = state.get("confirmed_seconds")  # absent in checkpoints written before the confirm phase
         discarded = state.get("discarded")  # absent in checkpoints written before the drift check
