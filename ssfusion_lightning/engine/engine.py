@@ -876,7 +876,7 @@ class FusionEngine:
         if trial.phase == SPARSE:
             entered = trial.end_sparse(self._agreed_mean, self._fusable(), self._dense_floor())
         elif trial.phase == FUSED:
-            entered = trial.end_fused(self._agreed_mean, self._dense_floor())
+            entered = trial.end_fused(self._agreed_mean)
         elif trial.phase == RECUT:
             entered = trial.end_recut(self._agreed_mean, self._dense_floor())
         elif trial.phase == DENSE_PHASE:

@@ -22,13 +22,13 @@ user pays, the step:
    time, and one window's medians on 4 ranks sharing 2 cores still differed by up to 16 ms, so a
    max over ranks took the noisiest;
 2. ``fused``: where the auto cut made several buffers, as many step times with the cut's tensors
-   in one buffer, agreed likewise. Where one buffer measured no slower, ``recut``: the cut's plan
-   again, as many steps, and one buffer stays where its median is at most the mean of the cut's two
-   windows, which bracket its own. One window each did not tell them apart: gpt2_10m at P = 2,
-   150 Mbit/s kept one buffer in one launch of eleven, whose timed blocks then exposed 42-60 ms of
-   communication a step against 4.6-6.2 with the cut's 3 buffers, and its cut measured 289-291 ms
-   a step against one buffer's 329-331 in the probes after (experiments/REPORT.md, "The one-buffer
-   window measured twice");
+   in one buffer, agreed likewise; then ``recut``: the cut's plan again, as many steps, and one
+   buffer stays where its median is at most the mean of the cut's two windows, which bracket its
+   own (so a drift of the host's speed cancels, and the cut's step is the mean of two windows). One
+   window each did not tell them apart: gpt2_10m at P = 2, 150 Mbit/s kept one buffer in one launch
+   of eleven, whose timed blocks then exposed 42-60 ms of communication a step against 4.6-7.3 with
+   the cut's 3 buffers; the cut measured 289-303 ms a step against one buffer's 329-500 in four
+   probes of that cell (experiments/REPORT.md, "The one-buffer window bracketed by the cut's");
 3. if the modelled dense all-reduce of the whole model already takes as long as the better sparse
    plan's step, dense cannot be faster: the trial ends there, with no dense step taken (slow
    links: no cost). Else ``dense``: as many step times with every buffer sent dense (DDP's
@@ -156,17 +156,16 @@ class PlanTrial:
 
     def end_sparse(self, agree: Callable[[float], float], fusable: bool, dense_floor: float) -> str:
         """Close the sparse phase on the agreed median; returns the phase entered: ``fused`` where
-        the plan has buffers to fuse (``fusable``), else as ``end_fused`` (``dense_floor``: the
+        the plan has buffers to fuse (``fusable``), else as ``end_recut`` (``dense_floor``: the
         modelled dense all-reduce of the whole model, a lower bound of a dense step)."""
         self.sparse_seconds = self._agreed_median(agree)
         self.phase = FUSED if fusable else self._after_sparse(dense_floor)
         return self.phase
 
-    def end_fused(self, agree: Callable[[float], float], dense_floor: float) -> str:
-        """Close the one-buffer phase on the agreed median; returns the phase entered: ``recut``
-        where one buffer measured no slower than the cut's plan, else as ``end_recut``."""
+    def end_fused(self, agree: Callable[[float], float]) -> str:
+        """Close the one-buffer phase on the agreed median; the cut's plan is measured again (``recut``)."""
         self.fused_seconds = self._agreed_median(agree)
-        self.phase = RECUT if self.fused_seconds <= self.sparse_seconds else self._after_sparse(dense_floor)
+        self.phase = RECUT
         return self.phase
 
     def end_recut(self, agree: Callable[[float], float], dense_floor: float) -> str:
