@@ -89,7 +89,7 @@ class PlanTrial:
     sparse_seconds: float | None = None
     #: the agreed median step of the same sparse plan in one buffer (None: not measured)
     fused_seconds: float | None = None
-    #: the agreed median step of the cut's plan measured again after one buffer measured no slower
+    #: the agreed median step of the cut's plan measured again after the one-buffer window (None: not measured)
     recut_seconds: float | None = None
     dense_seconds: float | None = None
     #: the agreed median step of the better sparse plan measured again after dense (None: not measured)
