@@ -58,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from experiments.common import RESULTS, free_port, publish_md, pyplot, save_figure
 from experiments.e2e_worker import ENGINE_SCHEMES, POWERSGD_RANKS, WORKLOADS, build_workload, register_ddp_hook
 from ssfusion_lightning.data.sequences import IGNORE_INDEX
+from ssfusion_lightning.engine.trial import PlanTrial
 
 REPO = Path(__file__).resolve().parents[1]
 DDP_HOOKS = {"compute_only": "noop", "compute_sync": "lockstep", "ddp": None, "ddp_bucket_view": None, **{name: "powersgd" for name in POWERSGD_RANKS}}
@@ -402,8 +403,6 @@ def overlap_targets(results: dict[str, Any], scheme: str = "ssfusion") -> list[s
 def trial_lines(results: dict[str, Any]) -> list[str]:
     """Each engine scheme's plan trial (the medians every rank agreed on), where one ran: why a cell
     ran the buffers it ran."""
-    from ssfusion_lightning.engine.trial import PlanTrial
-
     lines = []
     for (rate, name), rows in results.items():
         for scheme, row in rows.items():
